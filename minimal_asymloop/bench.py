@@ -1,0 +1,68 @@
+"""Benchmarks that print figures (never timed unit tests).
+
+    python -m minimal_asymloop.bench attention   # joint attention paths vs causal SDPA
+"""
+
+import argparse
+import time
+
+import torch
+
+from minimal_asymloop.model import causal_attention, joint_attention, joint_attention_masked, joint_attention_reference
+
+
+def timeit(fn, device, warmup=2, min_time=1.0, max_iters=50):
+    """Median seconds per call of fn() after warmup."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times, start = [], time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def bench_attention(args):
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    B, H, hd = 8, 6, 128
+    print(f"joint attention, forward+backward, B={B} H={H} head_dim={hd}, {device} {dtype}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{'N':>5} {'path':<28} {'ms':>9} {'vs reference':>13} {'vs causal SDPA':>15}")
+    for n in args.seq:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, kg, vg, kl, vl = (torch.randn(B, H, n, hd, generator=g).to(device, dtype).requires_grad_() for _ in range(5))
+        dout = torch.randn(B, H, n, hd, generator=g).to(device, dtype)
+
+        def run(f, *xs):
+            return lambda: torch.autograd.backward(f(*xs), dout)  # noqa: B023 (used inside the loop)
+
+        paths = {
+            "joint_attention (fast)": run(joint_attention, q, kg, vg, kl, vl),
+            "SDPA + (N,2N) bool mask": run(joint_attention_masked, q, kg, vg, kl, vl),
+            "reference (naive)": run(joint_attention_reference, q, kg, vg, kl, vl),
+            "causal SDPA over N keys": run(causal_attention, q, kl, vl),
+        }
+        t = {name: timeit(fn, device) for name, fn in paths.items()}
+        for name, s in t.items():
+            print(f"{n:>5} {name:<28} {s * 1e3:>9.1f} {s / t['reference (naive)']:>13.2f} "
+                  f"{s / t['causal SDPA over N keys']:>15.2f}")
+    print("floor for fast/causal-SDPA is about 2 (twice the keys); target <= 2.3 at N=1024")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("attention", help="joint attention paths vs causal SDPA")
+    a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a.add_argument("--seq", type=int, nargs="+", default=[256, 1024])
+    args = p.parse_args(argv)
+    {"attention": bench_attention}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

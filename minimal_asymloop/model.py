@@ -1,0 +1,447 @@
+"""Asymmetric Looped Transformers (AsymLoop), in one readable file.
+
+Reads like Section 3 of the paper: config, backbone pieces (RMSNorm, RoPE,
+SwiGLU, attention), joint attention, encoder + Global KV, the looped decoder,
+and the three architectures (dense, full_loop, asymloop) in `LoopedLM`.
+Spec: DESIGN.md. Choices the paper leaves open are marked "(ours)".
+"""
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ARCHS = ("dense", "full_loop", "asymloop")
+CONTEXTS = ("global_kv", "additive", "none")
+DEFAULT_N_ITER = {"dense": 1, "full_loop": 2, "asymloop": 3}
+
+# The paper's LLaMA-style sizes (DESIGN.md §2); "tiny" is ours, sized for a 2-core CPU.
+PRESETS = {
+    "tiny": dict(n_layer=4, d_model=192, n_head=6, d_ff=512, vocab_size=8192, max_seq_len=256),
+    "60m": dict(n_layer=6, d_model=768, n_head=6, d_ff=2048),
+    "135m": dict(n_layer=12, d_model=768, n_head=12, d_ff=2048),
+    "350m": dict(n_layer=24, d_model=1024, n_head=16, d_ff=2736),
+    "1b": dict(n_layer=24, d_model=2048, n_head=32, d_ff=5461),
+}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "asymloop"
+    n_layer: int = 6  # L physical blocks (E + D for asymloop)
+    n_enc: int | None = None  # E; None -> n_layer // 2 for asymloop, 0 otherwise
+    n_iter: int | None = None  # K; None -> 1 dense, 2 full_loop, 3 asymloop
+    d_model: int = 768
+    n_head: int = 6
+    d_ff: int = 2048
+    vocab_size: int = 32128
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0  # (ours) LLaMA's default; the paper does not state it
+    qk_norm: bool | None = None  # None -> on for asymloop only (ours, DESIGN.md §1)
+    context: str | None = None  # asymloop context access; None -> "global_kv" (asymloop) / "none"
+    local_kv: bool = True  # False: "without Local KV" ablation
+    norm_eps: float = 1e-6  # (ours)
+    init_std: float = 0.02  # (ours) see LoopedLM.init_weights
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(msg)
+
+        if self.arch not in ARCHS:
+            bad(f"unknown arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
+        asym = self.arch == "asymloop"
+        if self.n_iter is None:
+            self.n_iter = DEFAULT_N_ITER[self.arch]
+        if self.qk_norm is None:
+            self.qk_norm = asym
+        if self.context is None:
+            self.context = "global_kv" if asym else "none"
+        if self.n_enc is None:
+            self.n_enc = self.n_layer // 2 if asym else 0
+        for name in ("n_layer", "d_model", "n_head", "d_ff", "vocab_size", "max_seq_len"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.n_iter, int) or self.n_iter < 1:
+            bad(f"n_iter (K) must be an integer >= 1, got {self.n_iter!r}")
+        if self.d_model % self.n_head:
+            bad(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; pick n_head dividing d_model")
+        if (self.d_model // self.n_head) % 2:
+            bad(f"head dim d_model/n_head={self.d_model // self.n_head} must be even for RoPE")
+        if self.context not in CONTEXTS:
+            bad(f"unknown context {self.context!r}; choose one of {', '.join(CONTEXTS)}")
+        if asym:
+            if not 1 <= self.n_enc <= self.n_layer - 1:
+                bad(f"n_enc={self.n_enc} must be in 1..{self.n_layer - 1} (n_layer={self.n_layer}) so encoder and decoder are non-empty")
+            if not self.local_kv and self.context != "global_kv":
+                bad(f"local_kv=False needs context='global_kv' (got {self.context!r}): the decoder would have nothing to attend to")
+        else:
+            if self.context != "none":
+                bad(f"context={self.context!r} applies only to arch='asymloop' (got arch={self.arch!r}); leave context unset")
+            if not self.local_kv:
+                bad(f"local_kv=False applies only to arch='asymloop' (got arch={self.arch!r})")
+            if self.n_enc:
+                bad(f"n_enc applies only to arch='asymloop' (got arch={self.arch!r}, n_enc={self.n_enc}); leave it unset")
+
+    @property
+    def n_dec(self) -> int:
+        return self.n_layer - self.n_enc if self.arch == "asymloop" else 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def effective_depth(self) -> int:
+        """Blocks executed per forward pass: L, K·L or E + K·D."""
+        return {"dense": self.n_layer, "full_loop": self.n_iter * self.n_layer,
+                "asymloop": self.n_enc + self.n_iter * self.n_dec}[self.arch]
+
+    @classmethod
+    def from_preset(cls, size: str, arch: str = "asymloop", **overrides) -> "ModelConfig":
+        if size not in PRESETS:
+            raise ValueError(f"unknown size {size!r}; choose one of {', '.join(PRESETS)}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown}; valid fields: {', '.join(sorted(names))}")
+        return cls(**{**PRESETS[size], "arch": arch, **overrides})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------- backbone pieces
+
+
+class Rotary(nn.Module):
+    """RoPE tables (rotate-half convention) for positions 0..max_seq_len-1."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.cos.is_meta:
+            return
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
+        angles = torch.cat([angles, angles], dim=-1).to(self.cos.device)  # (T, hd)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self, x, start: int = 0):
+        """Rotate x (B, H, N, hd) as if it sat at positions start..start+N-1."""
+        n = x.size(-2)
+        cos, sin = self.cos[start:start + n].to(x.dtype), self.sin[start:start + n].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.gate = nn.Linear(d_model, d_ff, bias=False)
+        self.up = nn.Linear(d_model, d_ff, bias=False)
+        self.down = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def causal_attention(q, k, v):
+    """Plain causal attention (B, H, N, hd) through PyTorch's fused SDPA."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# ----------------------------------------------------------------------------- joint attention
+
+
+def joint_attention_reference(q, k_glob, v_glob, k_loc, v_loc):
+    """Naive joint attention: explicit scores, mask and ONE softmax over [K_glob; K_loc]."""
+    n = q.size(-2)
+    scores = torch.cat([q @ k_glob.transpose(-2, -1), q @ k_loc.transpose(-2, -1)], dim=-1)  # (B, H, N, 2N)
+    scores = scores / math.sqrt(q.size(-1))
+    kv, qi = torch.arange(2 * n, device=q.device), torch.arange(n, device=q.device)
+    allowed = (kv[None, :] % n) <= qi[:, None]  # (N, 2N): key j of either source is visible iff j <= i
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return probs @ torch.cat([v_glob, v_loc], dim=-2)  # (B, H, N, hd)
+
+
+_MASKS: dict = {}
+
+
+def joint_mask(n: int, device) -> torch.Tensor:
+    """Boolean (N, 2N) mask `(kv mod N) <= q`, cached per (N, device)."""
+    key = (n, str(device))
+    if key not in _MASKS:
+        kv, qi = torch.arange(2 * n, device=device), torch.arange(n, device=device)
+        _MASKS[key] = (kv[None, :] % n) <= qi[:, None]
+    return _MASKS[key]
+
+
+def joint_attention_masked(q, k_glob, v_glob, k_loc, v_loc):
+    """Joint attention as one fused SDPA call over the concatenated 2N keys with the joint mask."""
+    k, v = torch.cat([k_glob, k_loc], dim=-2), torch.cat([v_glob, v_loc], dim=-2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=joint_mask(q.size(-2), q.device))
+
+
+def merge_by_lse(o_a, lse_a, o_b, lse_b):
+    """Combine two attention outputs over disjoint key sets into one softmax over their union."""
+    lse = torch.logaddexp(lse_a, lse_b)  # (B, H, N)
+    w_a, w_b = (lse_a - lse).exp().unsqueeze(-1), (lse_b - lse).exp().unsqueeze(-1)
+    return (w_a * o_a.float() + w_b * o_b.float()).to(o_a.dtype), lse
+
+
+class _JointFlashCPU(torch.autograd.Function):
+    """Two causal flash-attention calls merged by log-sum-exp, with an exact backward.
+
+    The CPU flash kernel's logsumexp carries no gradient, so a naive merge is wrong in
+    backward. Flash backward only needs (dO, O, LSE): given the *merged* O and LSE, each
+    half's backward reproduces its share of the one joint softmax, and dq is their sum.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_glob, v_glob, k_loc, v_loc):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o_g, lse_g = flash(q, k_glob, v_glob, 0.0, True)
+        o_l, lse_l = flash(q, k_loc, v_loc, 0.0, True)
+        out, lse = merge_by_lse(o_g, lse_g, o_l, lse_l)
+        ctx.save_for_backward(q, k_glob, v_glob, k_loc, v_loc, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k_glob, v_glob, k_loc, v_loc, out, lse = ctx.saved_tensors
+        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        d_out = d_out.contiguous()
+        dq_g, dk_g, dv_g = bwd(d_out, q, k_glob, v_glob, out, lse, 0.0, True)
+        dq_l, dk_l, dv_l = bwd(d_out, q, k_loc, v_loc, out, lse, 0.0, True)
+        return dq_g + dq_l, dk_g, dv_g, dk_l, dv_l
+
+
+def joint_attention(q, k_glob, v_glob, k_loc, v_loc):
+    """One softmax over Global keys j<=i and Local keys j<=i. All tensors (B, H, N, hd).
+
+    CPU: two fused causal flash calls merged by log-sum-exp (about 2x causal SDPA; the
+    masked 2N-key call cannot skip masked blocks and costs more, see `bench attention`).
+    Other devices: one fused SDPA call over [K_glob; K_loc] with the cached joint mask.
+    """
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float64):
+        return _JointFlashCPU.apply(q, k_glob, v_glob, k_loc, v_loc)
+    return joint_attention_masked(q, k_glob, v_glob, k_loc, v_loc)
+
+
+# ----------------------------------------------------------------------------- attention and blocks
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with RoPE; in an AsymLoop decoder layer it also owns
+    the layer's Global KV projections and attends jointly to Global and Local KV."""
+
+    def __init__(self, cfg: ModelConfig, global_kv: bool = False, local_kv: bool = True):
+        super().__init__()
+        d, hd = cfg.d_model, cfg.head_dim
+        self.n_head, self.has_global, self.has_local = cfg.n_head, global_kv, local_kv
+        self.wq = nn.Linear(d, d, bias=False)
+        if local_kv:
+            self.wk = nn.Linear(d, d, bias=False)
+            self.wv = nn.Linear(d, d, bias=False)
+        if global_kv:  # K_glob_l = Hn·Wk_glob_l, V_glob_l = Hn·Wv_glob_l, each d -> d
+            self.wk_glob = nn.Linear(d, d, bias=False)
+            self.wv_glob = nn.Linear(d, d, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)
+        # QKNorm: RMSNorm over the head dim with a learnable scale. (ours) Global keys get
+        # their own scale, like their own projections, so the two sources can be weighed.
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm and local_kv else nn.Identity()
+        self.k_glob_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm and global_kv else nn.Identity()
+
+    def heads(self, x):  # (B, N, d) -> (B, H, N, hd)
+        b, n, _ = x.shape
+        return x.view(b, n, self.n_head, -1).transpose(1, 2)
+
+    def global_kv(self, h_norm, rope):
+        """This layer's Global KV from the normed encoder output: QKNorm + RoPE once, reused by every iteration."""
+        k = rope(self.k_glob_norm(self.heads(self.wk_glob(h_norm))))
+        return k, self.heads(self.wv_glob(h_norm))
+
+    def forward(self, x, rope, kv_glob=None):
+        q = rope(self.q_norm(self.heads(self.wq(x))))  # (B, H, N, hd)
+        if self.has_local:
+            k = rope(self.k_norm(self.heads(self.wk(x))))
+            v = self.heads(self.wv(x))
+        if kv_glob is None:
+            y = causal_attention(q, k, v)  # dense, full_loop, encoder, or decoder without Global KV
+        elif not self.has_local:
+            y = causal_attention(q, *kv_glob)  # "without Local KV" ablation
+        else:
+            y = joint_attention(q, *kv_glob, k, v)
+        b, h, n, hd = y.shape
+        return self.wo(y.transpose(1, 2).reshape(b, n, h * hd))
+
+
+class Block(nn.Module):
+    """LLaMA-style pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, cfg: ModelConfig, global_kv: bool = False, local_kv: bool = True):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, global_kv, local_kv)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x, rope, kv_glob=None):
+        x = x + self.attn(self.attn_norm(x), rope, kv_glob)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ----------------------------------------------------------------------------- the three architectures
+
+
+class LoopedLM(nn.Module):
+    """Dense, Full Loop or AsymLoop language model (DESIGN.md §1); `forward` returns (logits, loss)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.rope = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        if cfg.arch == "asymloop":
+            glob = cfg.context == "global_kv"
+            self.encoder = nn.ModuleList(Block(cfg) for _ in range(cfg.n_enc))
+            if glob:  # (ours) one shared RMSNorm on the encoder output feeds every layer's Global KV
+                self.enc_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+            self.decoder = nn.ModuleList(Block(cfg, glob, cfg.local_kv) for _ in range(cfg.n_dec))
+        else:
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied from embed
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """(ours) GPT-2 style: N(0, init_std) for every matrix; residual output projections
+        (wo, mlp.down) scaled by 1/sqrt(2·effective_depth), the number of residual adds per pass."""
+        std, depth = self.config.init_std, self.config.effective_depth
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            if p.dim() == 1:
+                nn.init.ones_(p)  # RMSNorm scales
+            elif name.endswith(("wo.weight", "down.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * depth))
+            else:
+                nn.init.normal_(p, 0.0, std)
+        self.rope.reset_parameters()
+
+    def global_kv(self, h):
+        """Per decoder layer (K_glob, V_glob) from the encoder output H, computed once per forward."""
+        h_norm = self.enc_norm(h)
+        return [blk.attn.global_kv(h_norm, self.rope) for blk in self.decoder]
+
+    def states(self, idx, n_iter: int | None = None) -> list[torch.Tensor]:
+        """Residual states [z_1, ..., z_K] after each iteration (one entry for dense).
+
+        z_k does not depend on the total K, so one call at the largest K gives every
+        smaller K's state: the per-iteration logit lens is `model.logits(z_k)`.
+        """
+        cfg, n_iter = self.config, n_iter or self.config.n_iter
+        if n_iter < 1:
+            raise ValueError(f"n_iter must be >= 1, got {n_iter}")
+        if idx.size(1) > cfg.max_seq_len:
+            raise ValueError(f"sequence length {idx.size(1)} exceeds max_seq_len={cfg.max_seq_len}; "
+                             f"shorten the input or build the model with a larger max_seq_len")
+        x = self.embed(idx)  # (B, N, d)
+        if cfg.arch == "dense":
+            for blk in self.blocks:
+                x = blk(x, self.rope)
+            return [x]
+        if cfg.arch == "full_loop":  # z_0 = embed(x), z_k = Stack(z_{k-1})
+            out = []
+            for _ in range(n_iter):
+                for blk in self.blocks:
+                    x = blk(x, self.rope)
+                out.append(x)
+            return out
+        for blk in self.encoder:  # H = Enc(embed(x)), run once
+            x = blk(x, self.rope)
+        h = x
+        kv = self.global_kv(h) if cfg.context == "global_kv" else [None] * cfg.n_dec
+        z = torch.zeros_like(h) if cfg.context == "additive" else h  # z_0
+        out = []
+        for _ in range(n_iter):  # z_k = Dec(z_{k-1}), decoder weights shared across k
+            if cfg.context == "additive":
+                z = z + h  # additive injection: z_k = Dec(z_{k-1} + H)
+            for blk, kv_l in zip(self.decoder, kv):
+                z = blk(z, self.rope, kv_l)
+            out.append(z)
+        return out
+
+    def logits(self, z):
+        return self.head(self.norm(z))  # (B, N, V)
+
+    def forward(self, idx, targets=None, n_iter: int | None = None):
+        logits = self.logits(self.states(idx, n_iter)[-1])
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+
+# ----------------------------------------------------------------------------- counting
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Exact parameter count, from a model built on the meta device (no memory used)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in LoopedLM(cfg).parameters())
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
+    """Forward FLOPs per token, the paper's Appendix D convention (DESIGN.md §3).
+
+    Each executed block 8d² + 6·d·d_ff + 4·N·d (full N×N scores); head 2·d·V; AsymLoop adds
+    4d² per decoder layer for the Global KV projections (once) and 4·N·d per decoder layer
+    per iteration for global attention. Training is about 3x this.
+    """
+    n, d, dff = seq_len or cfg.max_seq_len, cfg.d_model, cfg.d_ff
+    block = 8 * d * d + 6 * d * dff + 4 * n * d
+    glob_proj = glob_attn = 0
+    if cfg.arch == "asymloop":
+        # without Local KV the decoder computes no K_loc, V_loc and no local scores
+        dec_block = block if cfg.local_kv else block - 4 * d * d - 4 * n * d
+        blocks = cfg.n_enc * block + cfg.n_iter * cfg.n_dec * dec_block
+        if cfg.context == "global_kv":
+            glob_proj = 4 * d * d * cfg.n_dec
+            glob_attn = 4 * n * d * cfg.n_dec * cfg.n_iter
+    else:
+        blocks = cfg.effective_depth * block
+    head = 2 * d * cfg.vocab_size
+    total = blocks + head + glob_proj + glob_attn
+    return dict(total=total, blocks=blocks, head=head, global_kv_proj=glob_proj, global_attn=glob_attn)
+
+
+def sizes_table(seq_len: int = 1024) -> str:
+    """Markdown table of parameters and forward FLOPs/token for the paper's sizes."""
+    rows = ["| size | arch | K | eff. depth | params | fwd GFLOPs/token | Global KV share |",
+            "|---|---|---|---|---|---|---|"]
+    for size in ("60m", "135m", "350m", "1b"):
+        for arch in ARCHS:
+            cfg = ModelConfig.from_preset(size, arch)
+            f = flops_per_token(cfg, seq_len)
+            share = (f["global_kv_proj"] + f["global_attn"]) / f["total"]
+            rows.append(f"| {size} | {arch} | {cfg.n_iter} | {cfg.effective_depth} | {count_params(cfg) / 1e6:.1f}M "
+                        f"| {f['total'] / 1e9:.3f} | {share:.1%} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(f"Parameters and forward FLOPs per token at seq_len=1024 (DESIGN.md §3):\n\n{sizes_table()}")
