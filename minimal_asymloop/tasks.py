@@ -15,11 +15,11 @@ about h blocks in sequence: the kind of computation a looped decoder can run K t
     task.decode(idx[0])
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from minimal_asymloop.trainer import TrainConfig, lr_at, param_groups
 
 VALUES = "0123456789"
 VARIABLES = "abcdefghijklmnopqrstuvwxyz"
@@ -117,26 +117,24 @@ def accuracy_by_hops(model, task: ChainTask, n: int = 256, n_iter: int | None = 
 
 
 def train_on_task(model, task: ChainTask, steps: int = 600, batch_size: int = 32, lr: float = 3e-3,
-                  warmup: int = 50, seed: int = 0, log_every: int = 0) -> list[float]:
-    """(ours) A small AdamW loop on fresh task batches; returns the loss per step.
+                  seed: int = 0, log_every: int = 0) -> list[float]:
+    """(ours) Train on fresh task batches with the LM trainer's optimizer groups and LR schedule; returns the loss per step.
 
-    The task is not a text corpus, so it does not go through the LM trainer; the optimizer settings
-    follow DESIGN.md §2 (betas 0.9/0.95, weight decay 0.1, clip 1.0, warmup then cosine to 0.1x).
+    The task is not a text corpus, so batches come from `task.batch`, not the trainer's data pipeline.
     """
+    cfg = TrainConfig(max_steps=steps, lr=lr, seq_len=task.seq_len, global_batch=batch_size)
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=lr, betas=(cfg.beta1, cfg.beta2))
     losses = []
     model.train()
     for step in range(steps):
-        frac = (step + 1) / warmup if step < warmup else \
-            0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
         for group in opt.param_groups:
-            group["lr"] = lr * frac
+            group["lr"] = lr_at(step, cfg) * group["lr_mult"]
         idx, targets, _ = task.batch(batch_size, g)
         _, loss = model(idx, targets)  # cross-entropy at right-hand sides only (targets -1 elsewhere)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         losses.append(loss.item())
         if log_every and step % log_every == 0:
