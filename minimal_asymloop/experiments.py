@@ -168,6 +168,7 @@ EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_ta
 
 
 def main(argv=None):
+    global SEEDS, STEPS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", help=f"experiments to run: all or any of {', '.join(EXPERIMENTS)}")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
@@ -184,7 +185,6 @@ def main(argv=None):
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         sys.exit(f"unknown experiment(s) {unknown}; choose all or any of {', '.join(EXPERIMENTS)}")
-    global SEEDS, STEPS
     SEEDS, STEPS = tuple(args.seeds or SEEDS), args.steps or STEPS
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
