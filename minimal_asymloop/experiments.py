@@ -164,7 +164,38 @@ CHAIN_STEPS = 800
 CHAIN_BATCH = 64
 
 
-EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_task": chain_task}
+# (ours) the paper's schedule (allocate every 100 steps, 50-step ramps, freeze at 20%) scaled to a 200-step run
+ALRS_SCHEDULE = dict(every=20, ramp=10, phase=0.2)
+SPECTRA = ("decoder.0.mlp.up.weight", "encoder.0.attn.wq.weight")  # matrices whose eigenvalues are stored
+
+
+def alrs_experiment(quick=False):
+    """AsymLoop K=3 with ALRS (uniform-LR twin: matched_depth's asymloop_k3), per seed; alphas and spectra."""
+    from minimal_asymloop import alrs
+
+    steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
+    batch = probe_batch()
+    cfg = lm_config("asymloop", n_iter=3)
+    runs = []
+    for seed in seeds:
+        hook = alrs.ALRS(steps, fit="ww", **ALRS_SCHEDULE)
+        row = run_lm("asymloop_k3_alrs", cfg, seed, steps, batch, lr_hook=hook)
+        row["alrs_records"] = [r for r in read_metrics(RUNS / f"asymloop_k3_alrs-s{seed}") if "alrs_multiplier" in r]
+        runs.append(row)
+    # alphas and spectra at init and after training with ALRS (seed 0)
+    trained, _, _ = load_model(RUNS / f"asymloop_k3_alrs-s{seeds[0]}")
+    torch.manual_seed(seeds[0])
+    init = LoopedLM(cfg)
+    spectra = {}
+    for tag, model in (("init", init), ("trained", trained)):
+        mats = alrs.tuned_matrices(model)
+        spectra[tag] = dict(alpha_ww={n: alrs.ww_alpha(w) for n, w in mats.items()},
+                            alpha_hill={n: alrs.hill_median_alpha(alrs.eigenvalues(w)) for n, w in mats.items()},
+                            eigenvalues={n: alrs.eigenvalues(mats[n]).tolist() for n in SPECTRA})
+    return dict(setting=dict(model=LM, steps=steps, seeds=list(seeds), schedule=ALRS_SCHEDULE), runs=runs, spectra=spectra)
+
+
+EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_task": chain_task, "alrs": alrs_experiment}
 
 
 def main(argv=None):
