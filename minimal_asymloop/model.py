@@ -490,7 +490,7 @@ class LoopedLM(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
             if moe and self.training:
-                loss = loss + self.moe_aux_loss()
+                loss = loss + sum(self.moe_aux_losses().values())
         return logits, loss
 
     # ------------------------------------------------------------------------- MoE bookkeeping
@@ -498,29 +498,27 @@ class LoopedLM(nn.Module):
     def moe_layers(self) -> dict[str, MoE]:
         return {name: m for name, m in self.named_modules() if isinstance(m, MoE)}
 
-    def moe_aux_loss(self) -> torch.Tensor:
-        """Weighted aux loss of the last forward: w_bal·balance + w_z·z, averaged over every executed
-        MoE call (layers × iterations; ours: a mean, so its scale does not grow with depth or K)."""
+    def moe_aux_losses(self) -> dict[str, torch.Tensor]:
+        """The last forward's weighted aux losses, as added to the training loss: load balancing and router
+        z-loss, each averaged over every executed MoE call (layers × iterations; ours: a mean, not a sum,
+        so the weights keep their meaning at any depth or K). Empty for a dense FFN."""
         cfg, moe = self.config, self.moe_layers().values()
         calls = sum(m.n_calls for m in moe)
-        return (cfg.moe_balance_weight * sum(m.balance_sum for m in moe)
-                + cfg.moe_z_weight * sum(m.z_sum for m in moe)) / calls
-
-    @torch.no_grad()
-    def moe_stats(self) -> dict[str, float]:
-        """Floats for the metrics log from the last forward: the aux losses (means over MoE calls) and each
-        MoE layer's expert-load entropy in nats (log E = perfectly balanced, 0 = all tokens on one expert)."""
-        moe = self.moe_layers()
-        calls = sum(m.n_calls for m in moe.values())
         if not calls:
             return {}
-        stats = {"moe_aux": self.moe_aux_loss().item(),
-                 "moe_balance": (sum(m.balance_sum for m in moe.values()) / calls).item(),
-                 "moe_z": (sum(m.z_sum for m in moe.values()) / calls).item()}
-        for name, m in moe.items():  # a decoder layer's load sums over its K iterations
-            share = m.load.float() / m.load.sum()
-            stats[f"moe_load_entropy/{name.removesuffix('.mlp')}"] = torch.special.entr(share).sum().item()
-        return stats
+        return {"moe_balance_loss": cfg.moe_balance_weight * sum(m.balance_sum for m in moe) / calls,
+                "moe_z_loss": cfg.moe_z_weight * sum(m.z_sum for m in moe) / calls}
+
+    @torch.no_grad()
+    def moe_load_entropy(self) -> dict[str, float]:
+        """Entropy (nats) of each MoE layer's expert load in the last forward, summed over its iterations:
+        log(moe_experts) = perfectly balanced, 0 = every token on one expert."""
+        out = {}
+        for name, m in self.moe_layers().items():
+            if m.n_calls:
+                share = m.load.float() / m.load.sum()
+                out[f"moe_load_entropy/{name.removesuffix('.mlp')}"] = torch.special.entr(share).sum().item()
+        return out
 
 
 # ----------------------------------------------------------------------------- counting
