@@ -213,7 +213,7 @@ class MoE(nn.Module):
         return logits, gates, top_ids
 
     def aux_losses(self, logits, top_ids):
-        """Load balancing E·Σ_e f_e·P_e (Switch Transformer; 1 at a uniform router, E when collapsed)
+        """Load balancing E·Σ_e f_e·P_e (Switch Transformer; 1 at a uniform router, up to E/k collapsed)
         and router z-loss mean_t logsumexp(logits_t)² (ST-MoE). f_e: share of the T·k assignments
         that went to expert e (no gradient); P_e: mean router probability of e."""
         counts = torch.bincount(top_ids.flatten(), minlength=self.n_experts)  # (E,) tokens per expert
