@@ -59,7 +59,7 @@ def train_lm(model_cfg: ModelConfig, train_cfg: TrainConfig, lr_hook=None, reuse
     """
     if reuse and (Path(train_cfg.out_dir) / "latest").exists():
         meta = read_meta(train_cfg.out_dir)
-        if (meta["step"] == train_cfg.total_steps() and meta["model_config"] == model_cfg.to_dict()
+        if (meta["step"] == train_cfg.total_steps() and _same(meta["model_config"], model_cfg.to_dict())
                 and _same(meta["train_config"], asdict(train_cfg)) and (lr_hook is None) == (meta.get("lr_hook") is None)):
             model, _, _ = load_model(train_cfg.out_dir)
             return dict(val_loss=meta["val_loss"], history=read_metrics(train_cfg.out_dir), reused=True), model
@@ -69,7 +69,7 @@ def train_lm(model_cfg: ModelConfig, train_cfg: TrainConfig, lr_hook=None, reuse
 
 
 def _same(stored: dict, now: dict) -> bool:
-    """Stored train config equals the current one on every stored key (fields added to TrainConfig later are new)."""
+    """A stored config equals the current one on every stored key (fields added to the dataclass later are new)."""
     return all(now.get(k) == v for k, v in stored.items() if k not in ("quiet", "resume"))
 
 
