@@ -141,26 +141,41 @@ def chain_task(quick=False):
     at K=2, each evaluated at test-time K=1..6."""
     task = ChainTask(**CHAIN_TASK)
     steps = 40 if quick else CHAIN_STEPS
-    base = dict(n_layer=2, d_model=64, n_head=4, d_ff=128, vocab_size=task.vocab_size, max_seq_len=task.seq_len, qk_norm=True)
+    runs = [chain_run(name, cfg, task, steps) for name, cfg in chain_models(task).items()]
+    return dict(setting=dict(task=CHAIN_TASK, model=CHAIN_MODEL, steps=steps, batch=CHAIN_BATCH), runs=runs)
+
+
+def chain_models(task: ChainTask) -> dict:
+    base = dict(CHAIN_MODEL, vocab_size=task.vocab_size, max_seq_len=task.seq_len)
     # matched effective depth 4: AsymLoop E=1 + 3·D=1 vs Full Loop 2·L=2; AsymLoop K=1 (depth 2) as the shallow control
     models = {f"asymloop_k{k}": ModelConfig(arch="asymloop", n_iter=k, **base) for k in (1, 3)}
     models["full_loop_k2"] = ModelConfig(arch="full_loop", n_iter=2, **base)
-    runs = []
-    for name, cfg in models.items():
-        torch.manual_seed(0)
-        model = LoopedLM(cfg)
-        t0 = time.time()
-        losses = train_on_task(model, task, steps=steps, batch_size=CHAIN_BATCH, seed=0)
-        acc = {k: accuracy_by_hops(model, task, n_iter=k) for k in range(1, 7)}
-        runs.append(dict(name=name, arch=cfg.arch, n_iter=cfg.n_iter, effective_depth=cfg.effective_depth,
-                         params=count_params(cfg), seconds=time.time() - t0, loss=losses[:: max(1, steps // 100)],
-                         acc_by_test_k={k: {str(h): a for h, a in v.items()} for k, v in acc.items()}))
-        print(f"  {name:>14}: acc at trained K {acc[cfg.n_iter]} ({runs[-1]['seconds']:.0f}s)", flush=True)
-    return dict(setting=dict(task=CHAIN_TASK, model=base, steps=steps), runs=runs)
+    return models
+
+
+def chain_run(name: str, cfg: ModelConfig, task: ChainTask, steps: int) -> dict:
+    """Train one model on the chain task (or reuse its saved result for the same setting)."""
+    path = RUNS / f"chain_{name}.json"
+    setting = dict(task=CHAIN_TASK, model=cfg.to_dict(), steps=steps, batch=CHAIN_BATCH)
+    if path.exists() and json.loads(path.read_text())["setting"] == setting:
+        return json.loads(path.read_text())["run"]
+    torch.manual_seed(0)
+    model = LoopedLM(cfg)
+    t0 = time.time()
+    losses = train_on_task(model, task, steps=steps, batch_size=CHAIN_BATCH, seed=0)
+    acc = {k: accuracy_by_hops(model, task, n_iter=k) for k in range(1, 7)}
+    run = dict(name=name, arch=cfg.arch, n_iter=cfg.n_iter, effective_depth=cfg.effective_depth,
+               params=count_params(cfg), seconds=time.time() - t0, loss=losses[:: max(1, steps // 100)],
+               acc_by_test_k={k: {str(h): a for h, a in v.items()} for k, v in acc.items()})
+    print(f"  {name:>14}: acc at trained K {acc[cfg.n_iter]} ({run['seconds']:.0f}s)", flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(setting=setting, run=run)))
+    return run
 
 
 CHAIN_TASK = dict(n_stmt=8, max_hops=3, n_vars=8, n_values=4)
-CHAIN_STEPS = 800
+CHAIN_MODEL = dict(n_layer=2, d_model=64, n_head=4, d_ff=128, qk_norm=True)
+CHAIN_STEPS = 500
 CHAIN_BATCH = 64
 
 
