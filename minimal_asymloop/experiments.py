@@ -55,12 +55,13 @@ def train_lm(model_cfg: ModelConfig, train_cfg: TrainConfig, lr_hook=None, reuse
     """Train with the package's trainer; return (result dict, trained model in eval mode).
 
     reuse=True (ours): if out_dir already holds the finished run of exactly these configs, load it instead
-    of training again, so an interrupted `experiments` command continues where it stopped.
+    of training again, so an interrupted `experiments` command continues where it stopped. The LR hook is
+    not part of the check: give runs with and without one different out_dirs.
     """
     if reuse and (Path(train_cfg.out_dir) / "latest").exists():
         meta = read_meta(train_cfg.out_dir)
         if (meta["step"] == train_cfg.total_steps() and _same(meta["model_config"], model_cfg.to_dict())
-                and _same(meta["train_config"], asdict(train_cfg)) and (lr_hook is None) == (meta.get("lr_hook") is None)):
+                and _same(meta["train_config"], asdict(train_cfg))):
             model, _, _ = load_model(train_cfg.out_dir)
             return dict(val_loss=meta["val_loss"], history=read_metrics(train_cfg.out_dir), reused=True), model
     result = train(model_cfg, train_cfg, lr_hook=lr_hook)
@@ -184,6 +185,17 @@ ALRS_SCHEDULE = dict(every=20, ramp=10, phase=0.2)
 SPECTRA = ("decoder.0.mlp.up.weight", "encoder.0.attn.wq.weight")  # matrices whose eigenvalues are stored
 
 
+def alrs_records(rows: list[dict]) -> list[dict]:
+    """The allocations logged in a run's metrics, as {step, alpha, multiplier} (either logging key style)."""
+    out = []
+    for r in rows:
+        if "alrs_multiplier" in r:
+            out.append(dict(step=r["alrs_step"], alpha=r["alrs_alpha"], multiplier=r["alrs_multiplier"]))
+        elif r.get("kind") == "alrs":
+            out.append(dict(step=r["step"], alpha=r["alpha"], multiplier=r["multiplier"]))
+    return out
+
+
 def alrs_experiment(quick=False):
     """AsymLoop K=3 with ALRS (uniform-LR twin: matched_depth's asymloop_k3), per seed; alphas and spectra."""
     from minimal_asymloop import alrs
@@ -195,7 +207,7 @@ def alrs_experiment(quick=False):
     for seed in seeds:
         hook = alrs.ALRS(steps, fit="ww", **ALRS_SCHEDULE)
         row = run_lm("asymloop_k3_alrs", cfg, seed, steps, batch, lr_hook=hook)
-        row["alrs_records"] = [r for r in read_metrics(RUNS / f"asymloop_k3_alrs-s{seed}") if "alrs_multiplier" in r]
+        row["alrs_records"] = alrs_records(read_metrics(RUNS / f"asymloop_k3_alrs-s{seed}"))
         runs.append(row)
     # alphas and spectra at init and after training with ALRS (seed 0)
     trained, _, _ = load_model(RUNS / f"asymloop_k3_alrs-s{seeds[0]}")
