@@ -63,7 +63,9 @@ def train_lm(model_cfg: ModelConfig, train_cfg: TrainConfig, lr_hook=None, reuse
         if (meta["step"] == train_cfg.total_steps() and _same(meta["model_config"], model_cfg.to_dict())
                 and _same(meta["train_config"], asdict(train_cfg))):
             model, _, _ = load_model(train_cfg.out_dir)
-            return dict(val_loss=meta["val_loss"], history=read_metrics(train_cfg.out_dir), reused=True), model
+            history = read_metrics(train_cfg.out_dir)
+            seconds = sum(r.get("step_s", 0.0) for r in history)  # training time of the original run (steps only)
+            return dict(val_loss=meta["val_loss"], history=history, seconds=seconds, reused=True), model
     result = train(model_cfg, train_cfg, lr_hook=lr_hook)
     model, _, _ = load_model(train_cfg.out_dir)
     return result, model
@@ -106,7 +108,7 @@ def run_lm(name: str, model_cfg: ModelConfig, seed: int, steps: int, batch, lr_h
     t0 = time.time()
     result, model = train_lm(model_cfg, train_cfg, lr_hook, reuse=True)
     row = dict(name=name, seed=seed, arch=model_cfg.arch, n_iter=model_cfg.n_iter, context=model_cfg.context,
-               effective_depth=model_cfg.effective_depth, val_loss=result["val_loss"], seconds=time.time() - t0,
+               effective_depth=model_cfg.effective_depth, val_loss=result["val_loss"], seconds=result.get("seconds", time.time() - t0),
                train_loss=[(r["step"], r["loss"]) for r in result["history"] if "loss" in r],
                **describe_budget(model_cfg, train_cfg), **probes(model, *batch))
     print(f"  {name:>18} seed {seed}: val loss {row['val_loss']:.4f}  ({row['seconds']:.0f}s)", flush=True)

@@ -60,8 +60,8 @@ def global_attention_share(model, idx, n_iter: int | None = None) -> torch.Tenso
         raise ValueError("global_attention_share needs arch='asymloop' with context='global_kv' and local_kv=True")
     shares = []
 
-    def hook(attn, args):
-        x, rope, (k_glob, _) = args
+    def hook(attn, args):  # Attention.forward(x, rope, kv_glob, ...): a full forward from position 0
+        x, rope, (k_glob, _) = args[:3]
         q = rope(attn.q_norm(attn.heads(attn.wq(x))))  # (B, H, N, hd)
         k_loc = rope(attn.k_norm(attn.heads(attn.wk(x))))
         n = q.size(-2)
