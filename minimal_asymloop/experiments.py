@@ -1,6 +1,6 @@
 """Longer experiments behind the notebooks, precomputed on a CPU into small JSON files.
 
-    python -m minimal_asymloop.experiments all            # every experiment (about 15 min on a quiet 2-core CPU)
+    python -m minimal_asymloop.experiments all            # every experiment (see below for its cost)
     python -m minimal_asymloop.experiments matched_depth  # one of: matched_depth, global_kv, chain_task, alrs
     python -m minimal_asymloop.experiments --list
 
@@ -9,6 +9,11 @@ live version of the same code. All LM runs share one tiny setting (ours, sized f
 corpus with a 2048-token BPE, d_model 128, L = 4 (E = D = 2), seq 64, batch 16, QKNorm on in EVERY
 model (as in the paper's context-access study), so architectures differ only in what the paper varies.
 Runs are compared within a seed (same init seed, same data order) and the spread over seeds is kept.
+
+Cost, measured on the shared 2-core development machine under heavy load (each run got about a quarter of a
+core): matched_depth 50 min, global_kv 27 min (its K=1 run duplicates Dense exactly), alrs 22 min, chain_task
+36 min of training; several can run in parallel processes. Finished runs are cached in out/experiments/ and
+reused, so an interrupted command continues where it stopped.
 """
 
 import argparse
