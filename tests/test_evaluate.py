@@ -1,16 +1,30 @@
 """Evaluation: the lm-eval adapter against direct model computations, and the evaluate command.
 
-All offline. The adapter tests use a tiny random LoopedLM and a byte-level BPE trained here.
+All offline. The adapter tests use a tiny random LoopedLM and a byte-level BPE trained here; the
+command tests use conftest's `tiny_checkpoint`, a 30-step run on a slice of the stdlib corpus.
 """
 
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from minimal_asymloop import evaluate
+from minimal_asymloop.checkpoint import load_model
+from minimal_asymloop.data import Tokens, eval_windows
 from minimal_asymloop.harness import AsymLoopLM
 from minimal_asymloop.model import LoopedLM, ModelConfig
+from minimal_asymloop.trainer import read_metrics
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A looped transformer reuses its decoder weights "
         "at every iteration, and the encoder runs once. Global keys come from the encoder output. ") * 20
@@ -138,3 +152,153 @@ def test_generate_until_is_greedy_and_stops(model, tok):
     assert got[2] == expect.split(expect[2:4])[0]
     with pytest.raises(ValueError, match="greedily only"):
         a.generate_until([req("generate_until", ctx, {"do_sample": True, "temperature": 1.0})])
+
+
+# ----------------------------------------------------------------------------- on a checkpoint trained in the test
+
+
+def run_eval(ckpt, tmp_path, *args):
+    return evaluate.main(["--ckpt", str(ckpt), "--device", "cpu", "--out", str(tmp_path / "eval.json"), *args])
+
+
+def test_perplexity_command_matches_trainers_final_val_loss(tiny_checkpoint, tmp_path, capsys):
+    report = run_eval(tiny_checkpoint, tmp_path)
+    final = [r["val_loss"] for r in read_metrics(tiny_checkpoint) if "val_loss" in r][-1]
+    assert report["val"]["ce"] == pytest.approx(final, abs=1e-6)
+    assert report["val"]["ppl"] == pytest.approx(math.exp(final), rel=1e-6)
+    assert json.loads((tmp_path / "eval.json").read_text())["val"] == report["val"]
+    assert f"cross-entropy {final:.4f} nats/token" in capsys.readouterr().out
+
+
+def test_n_iter_evaluates_at_another_depth(tiny_checkpoint, tmp_path):
+    """--n-iter 5 gives the CE of model(x, n_iter=5) on the same windows, computed here without evaluate_loss."""
+    report = run_eval(tiny_checkpoint, tmp_path, "--n-iter", "5")
+    model, tok, meta = load_model(tiny_checkpoint)
+    val = evaluate.held_out_tokens(meta, tok, None, None)
+    starts = eval_windows(val, 32, 2 * 8)
+    w = torch.from_numpy(np.stack([val.window(int(s), 33) for s in starts]))
+    with torch.no_grad():
+        ce = sum(model(w[b:b + 8, :-1], w[b:b + 8, 1:], n_iter=5)[1].item() for b in (0, 8)) / 2
+    assert report["n_iter"] == 5 and report["trained_n_iter"] == 3
+    assert report["val"]["ce"] == pytest.approx(ce, abs=1e-5)
+    assert abs(ce - meta["val_loss"]) > 1e-4
+    with pytest.raises(SystemExit, match="K must be >= 1"):
+        run_eval(tiny_checkpoint, tmp_path, "--n-iter", "0")
+
+
+def test_held_out_documents_of_a_source_tokenize_like_the_prepared_split(tiny_checkpoint):
+    """--data streams a source's held-out documents with the checkpoint's tokenizer; for the run's own
+    source that is the prepared val split, token for token."""
+    _, tok, meta = load_model(tiny_checkpoint)
+    prepared = evaluate.held_out_tokens(meta, tok, None, None)
+    streamed = evaluate.held_out_tokens(meta, tok, "stdlib", 3000)
+    assert len(streamed) >= 3000 and len(prepared) > len(streamed)
+    assert (streamed.window(0, 3000) == prepared.window(0, 3000)).all()
+
+
+def test_rolling_loglikelihood_equals_perplexity_paths_total(tiny_checkpoint, tmp_path):
+    model, tok, _ = load_model(tiny_checkpoint)
+    L, n = 16, 6  # rolling windows of max_length L; the text is exactly n*L tokens
+    src = Path(json.__file__).read_text()
+    text = next(src[:c] for c in range(50, 2000) if len(tok.encode(src[:c]).ids) == n * L)
+    ids = [tok.token_to_id("<|endoftext|>")] + tok.encode(text).ids  # the perplexity path's stream: eot, then the text
+    np.asarray(ids, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    val = Tokens([tmp_path / "val.bin"], np.uint16)
+    ppl = evaluate.held_out_loss(model, val, L, 2, None, "cpu", torch.float32)  # n windows tile the stream
+    rolling = lm(model, tok, max_length=L, batch_size=4).loglikelihood_rolling([req("loglikelihood_rolling", text)])[0]
+    assert ppl["tokens"] == n * L
+    assert rolling == pytest.approx(-ppl["ce"] * n * L, rel=1e-5)
+
+
+MC_DOCS = [("Which keyword defines a function?", ["def", "class", "import"], 0),
+           ("Which keyword starts a loop over items?", ["return", "for", "pass"], 1),
+           ("Which value means nothing?", ["True", "self", "None"], 2),
+           ("Which keyword leaves a function with a value?", ["return", "with", "else"], 0),
+           ("Which keyword brings in a module?", ["yield", "import", "raise"], 1),
+           ("Which keyword defines a class?", ["lambda", "while", "class"], 2)]
+
+
+def write_mc_task(folder: Path) -> Path:
+    """A local multiple-choice lm-eval task (YAML + JSONL), the layout of the paper's tasks."""
+    folder.mkdir()
+    with open(folder / "docs.jsonl", "w") as f:
+        for q, choices, label in MC_DOCS:
+            f.write(json.dumps(dict(question=q, choices=choices, label=label)) + "\n")
+    (folder / "tiny_mc.yaml").write_text(f"""task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / 'docs.jsonl'}
+  cache_dir: {folder / 'hf_cache'}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""")
+    return folder
+
+
+def direct_accuracy(ckpt) -> float:
+    """The task's accuracy from the adapter's own log-likelihoods: argmax over ' ' + choice."""
+    a = AsymLoopLM(ckpt=str(ckpt), device="cpu")
+    hits = []
+    for q, choices, label in MC_DOCS:
+        lls = [ll for ll, _ in a.loglikelihood([req("loglikelihood", f"Question: {q}\nAnswer:", " " + c) for c in choices])]
+        hits.append(int(np.argmax(lls)) == label)
+    return sum(hits) / len(hits)
+
+
+def test_lm_eval_end_to_end_on_a_local_task(tiny_checkpoint, tmp_path, capsys):
+    tasks = write_mc_task(tmp_path / "tasks")
+    report = run_eval(tiny_checkpoint, tmp_path, "--tasks", "tiny_mc", "--include-path", str(tasks), "--batch-size", "4")
+    acc = report["tasks"]["results"]["tiny_mc"]["acc"]
+    assert 0 <= acc <= 1
+    assert acc == pytest.approx(direct_accuracy(tiny_checkpoint))
+    assert report["tasks"]["mean"] == pytest.approx(100 * acc)
+    out = capsys.readouterr().out
+    assert "| Model | tiny_mc | Avg. |" in out and f"| asymloop K=3 | {100 * acc:.2f} | {100 * acc:.2f} |" in out
+
+
+@pytest.mark.slow  # a fresh interpreter plus lm-eval indexing all its ~15k built-in tasks: ~20-40 s on 2 cores
+def test_harness_cli_is_lm_eval_with_the_model_registered(tiny_checkpoint, tmp_path):
+    tasks = write_mc_task(tmp_path / "tasks")
+    cmd = [sys.executable, "-m", "minimal_asymloop.harness", "--model", "minimal_asymloop", "--model_args",
+           f"ckpt={tiny_checkpoint}", "--batch_size", "4", "--device", "cpu", "--tasks", "tiny_mc", "--include_path", str(tasks)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    assert p.returncode == 0, p.stderr[-2000:]
+    acc = float(re.search(r"\|\s*acc\s*\|[^|]*\|\s*([0-9.]+)\s*\|", p.stdout).group(1))
+    assert acc == pytest.approx(direct_accuracy(tiny_checkpoint), abs=1e-4)
+
+
+def test_model_is_registered_and_built_from_model_args(tiny_checkpoint):
+    from lm_eval.api.registry import get_model
+
+    assert get_model("minimal_asymloop") is AsymLoopLM
+    assert get_model("dummy").__name__ == "DummyLM"  # lm-eval's own models stay resolvable
+    a = AsymLoopLM.create_from_arg_string(f"ckpt={tiny_checkpoint},n_iter=2,batch_size=3,max_length=40", {"device": "cpu"})
+    assert (a.n_iter, a.batch_size, a.max_length, a.eot_token_id) == (2, 3, 40, 0)
+    with pytest.raises(ValueError, match="batch_size='auto' is not supported"):
+        AsymLoopLM.create_from_arg_string(f"ckpt={tiny_checkpoint}", {"batch_size": "auto", "device": "cpu"})
+
+
+def test_offline_hub_fails_fast_with_a_clear_message(tiny_checkpoint, tmp_path):
+    with pytest.raises(SystemExit) as e:  # conftest sets HF_HUB_OFFLINE=1; piqa's data is not cached here
+        run_eval(tiny_checkpoint, tmp_path, "--tasks", "piqa")
+    msg = str(e.value)
+    assert "baber/piqa" in msg and "offline mode is on" in msg and "run once with the Hub reachable" in msg
+
+
+def test_without_lm_eval_the_command_says_how_to_install(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval -> ImportError
+    with pytest.raises(SystemExit, match=r'needs lm-eval: .*pip install -e "\.\[eval\]"'):
+        run_eval(tiny_checkpoint, tmp_path, "--tasks", "paper")
+    code = "import sys; sys.modules['lm_eval'] = None; import minimal_asymloop.evaluate, minimal_asymloop.model; print('ok')"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    assert p.stdout.strip() == "ok", p.stderr
