@@ -31,7 +31,7 @@ PAPER_TASKS = {
     "arc_challenge": ("ARC-c", "arc_challenge"),
     "openbookqa": ("OBQA", "openbookqa"),
 }
-LM_EVAL_MISSING = 'lm-eval is not installed; install the optional extra with  pip install -e ".[eval]"  (or pip install "lm-eval>=0.4.2")'
+LM_EVAL_MISSING = 'lm-eval is not installed; install the optional extra with  pip install -e ".[eval]"  (or pip install "lm-eval>=0.4.3")'
 
 
 # ----------------------------------------------------------------------------- held-out perplexity
@@ -70,8 +70,8 @@ def held_out_tokens(meta: dict, tokenizer, source: str | None, n_tokens: int | N
             if n_tokens and len(ids) >= n_tokens:
                 break
     if len(ids) < max(2, n_tokens or 0):
-        raise SystemExit(f"error: {source!r} has {len(ids)} held-out tokens (val_fraction={val_fraction}), fewer than the "
-                         f"{n_tokens} needed; pass --eval-batches all or a smaller number, or use more data")
+        raise D.DataError(f"{source!r} has {len(ids)} held-out tokens (val_fraction={val_fraction}), fewer than the "
+                          f"{n_tokens} needed; pass --eval-batches all or a smaller number, or use more data")
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
     fd, path = tempfile.mkstemp(suffix=".bin")
     os.close(fd)
@@ -182,12 +182,18 @@ def write_json(path: Path, obj: dict):
     os.replace(tmp, path)  # atomic
 
 
+def _batches(s: str):
+    if s == "all" or (s.isdigit() and int(s) > 0):
+        return s if s == "all" else int(s)
+    raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', got {s!r}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint) or a checkpoint folder")
     p.add_argument("--data", default=None, help="score the held-out part of this source instead of the run's own data")
     p.add_argument("--n-iter", type=int, default=None, help="test-time depth K (default: the trained K)")
-    p.add_argument("--eval-batches", default=None, help="val batches (default: the run's eval_batches, so the loss matches "
+    p.add_argument("--eval-batches", type=_batches, default=None, help="val batches (default: the run's eval_batches, so the loss matches "
                                                          "its log), or 'all' for the whole held-out split")
     p.add_argument("--tasks", default=None, help=f"comma-separated lm-eval tasks, or 'paper' for {','.join(PAPER_TASKS)}")
     p.add_argument("--num-fewshot", type=int, default=0, help="the paper reports 0 and 5")
@@ -199,6 +205,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=None, help="JSON path (default: <checkpoint>/eval_k{K}.json)")
     args = p.parse_args(argv)
+    if args.num_fewshot < 0:
+        p.error(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
 
     names = None
     if args.tasks:  # check lm-eval and the task data first: a missing extra or an offline Hub fails in seconds
@@ -210,6 +218,7 @@ def main(argv=None):
         tasks = load_tasks(names, args.include_path)
 
     from minimal_asymloop.checkpoint import CheckpointError, load_model
+    from minimal_asymloop.data import DataError
 
     try:
         model, tokenizer, meta = load_model(args.ckpt, device=args.device)
@@ -222,9 +231,12 @@ def main(argv=None):
         cfg.n_iter = args.n_iter  # states() reads K from the config, so the trainer's evaluate_loss runs at this depth
     dtype = getattr(torch, args.dtype)
     batch = tc.get("micro_batch") or tc["global_batch"]
-    n_batches = None if args.eval_batches == "all" else int(args.eval_batches or tc["eval_batches"])
+    n_batches = None if args.eval_batches == "all" else args.eval_batches or tc["eval_batches"]
     n_tokens = None if n_batches is None else n_batches * batch * tc["seq_len"] + 1
-    tokens = held_out_tokens(meta, tokenizer, args.data, n_tokens)
+    try:
+        tokens = held_out_tokens(meta, tokenizer, args.data, n_tokens)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
     report = dict(ckpt=meta["path"], step=meta.get("step"), arch=cfg.arch, n_iter=cfg.n_iter, trained_n_iter=meta["model_config"]["n_iter"],
                   data=args.data or meta["data"]["source"], dtype=args.dtype)
     report["val"] = held_out_loss(model, tokens, tc["seq_len"], batch, n_batches, args.device, dtype)

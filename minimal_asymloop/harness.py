@@ -178,7 +178,7 @@ class AsymLoopLM(TemplateLM):
             while live:
                 rows = [(seqs[b] + gen[b])[-self.max_length:] for b in live]
                 z = self._last_state(rows)
-                z_last = z[torch.arange(len(rows)), torch.tensor([len(r) - 1 for r in rows])]  # (B, d)
+                z_last = z[torch.arange(len(rows), device=z.device), torch.tensor([len(r) - 1 for r in rows], device=z.device)]  # (B, d)
                 nxt = self.model.logits(z_last).argmax(-1).tolist()
                 for b, t in zip(list(live), nxt):
                     gen[b].append(t)

@@ -196,6 +196,19 @@ def test_held_out_documents_of_a_source_tokenize_like_the_prepared_split(tiny_ch
     assert (streamed.window(0, 3000) == prepared.window(0, 3000)).all()
 
 
+def test_data_option_scores_other_text(tiny_checkpoint, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    src = Path(json.__file__).parent
+    for i, f in enumerate(sorted(src.glob("*.py"))):  # one document per file; by hash about 20% are held out
+        (docs / f"{i}.txt").write_text(f.read_text())
+    report = run_eval(tiny_checkpoint, tmp_path, "--data", str(docs), "--eval-batches", "1")
+    assert report["data"] == str(docs) and report["val"]["tokens"] == 8 * 32
+    assert 0 < report["val"]["ce"] < 10
+    with pytest.raises(SystemExit, match="no data files found"):
+        run_eval(tiny_checkpoint, tmp_path, "--data", str(tmp_path / "missing"))
+
+
 def test_rolling_loglikelihood_equals_perplexity_paths_total(tiny_checkpoint, tmp_path):
     model, tok, _ = load_model(tiny_checkpoint)
     L, n = 16, 6  # rolling windows of max_length L; the text is exactly n*L tokens
