@@ -1,0 +1,172 @@
+"""Checkpoints: one self-contained folder per save, swapped in atomically.
+
+    out_dir/ckpt_0000500/   model.safetensors  weights (safetensors: loading runs no code)
+                            state.pt           optimizer, step, data position, RNG, lr-hook state
+                                               (loads with torch.load(weights_only=True))
+                            meta.json          format_version, model + train config, step, val loss, data
+                            tokenizer.json     so the folder alone can generate text
+    out_dir/latest -> ckpt_0000500             symlinks, replaced atomically with os.replace
+    out_dir/best   -> ckpt_0000500
+
+A save writes a temp folder, fsyncs it, renames it into place and only then moves the `latest`
+(and `best`) link, so a crash at any moment leaves `latest` pointing at a complete checkpoint.
+"""
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from minimal_asymloop.model import LoopedLM, ModelConfig
+
+FORMAT_VERSION = 1
+DELAY_ENV = "MINIMAL_ASYMLOOP_CKPT_DELAY"  # seconds to sleep after each file: lets tests kill a write midway
+FILES = ("model.safetensors", "state.pt", "tokenizer.json", "meta.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, too new or incompatible; the message says which."""
+
+
+def _fsync(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _point(link: Path, target: str):
+    """Make `link` a symlink to `target` atomically (temp link, then os.replace)."""
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def save_checkpoint(out_dir, model: LoopedLM, state: dict, meta: dict, tokenizer: Tokenizer, best: bool = False) -> Path:
+    """Write a checkpoint of `model` (unwrapped, not DDP/compiled) at meta['step']; move `latest` (and `best`)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"ckpt_{meta['step']:07d}"
+    k = 1
+    while (out_dir / name).exists():  # same step saved twice (rare): never touch a folder a link may use
+        name, k = f"ckpt_{meta['step']:07d}.{k}", k + 1
+    tmp = out_dir / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    weights = {n: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
+    meta = {"format_version": FORMAT_VERSION, **meta, "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    writers = {
+        "model.safetensors": lambda p: save_file(weights, str(p), metadata={"format": "pt"}),
+        "state.pt": lambda p: torch.save(state, p),
+        "tokenizer.json": lambda p: tokenizer.save(str(p)),
+        "meta.json": lambda p: p.write_text(json.dumps(meta, indent=1)),
+    }
+    for fname in FILES:
+        writers[fname](tmp / fname)
+        _fsync(tmp / fname)
+        if delay:
+            time.sleep(delay)
+    _fsync(tmp)
+    os.rename(tmp, out_dir / name)
+    _fsync(out_dir)
+    _point(out_dir / "latest", name)
+    if best:
+        _point(out_dir / "best", name)
+    _collect_garbage(out_dir)
+    return out_dir / name
+
+
+def _collect_garbage(out_dir: Path):
+    """Delete checkpoints no link points at, and temp folders left by killed writers."""
+    keep = {(out_dir / link).resolve().name for link in ("latest", "best") if (out_dir / link).is_symlink()}
+    for p in out_dir.iterdir():
+        stale_tmp = p.name.startswith(".tmp-ckpt_") and not p.name.endswith(f"-{os.getpid()}")
+        if (p.name.startswith("ckpt_") and p.name not in keep) or stale_tmp:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def find_checkpoint(path) -> Path:
+    """A checkpoint folder from either itself or a run's out_dir (then its `latest`)."""
+    path = Path(path)
+    if (path / "meta.json").exists() or (path / "model.safetensors").exists():
+        return path.resolve()  # `latest`/`best` resolve to the real folder: files are read from one checkpoint
+    if (path / "latest").exists():
+        return (path / "latest").resolve()
+    if (path / "latest").is_symlink():
+        raise CheckpointError(f"{path}/latest points at a missing folder; the run's checkpoints were deleted or moved")
+    raise CheckpointError(f"no checkpoint at {path}: expected a checkpoint folder (with meta.json) or a run's out_dir with a "
+                          f"'latest' checkpoint; train one with `python train_minimal.py --out-dir {path}`")
+
+
+def read_meta(path) -> dict:
+    ckpt = find_checkpoint(path)
+    missing = [f for f in FILES if not (ckpt / f).exists()]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: missing {', '.join(missing)}")
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: meta.json is not valid JSON ({e})") from None
+    version = meta.get("format_version")
+    if not isinstance(version, int):
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: meta.json has no format_version")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {ckpt} has format_version {version}, newer than this code's {FORMAT_VERSION}; "
+                              f"update minimal-asymloop to load it")
+    meta["path"] = str(ckpt)
+    return meta
+
+
+def model_config_from_meta(meta: dict) -> ModelConfig:
+    try:
+        return ModelConfig(**meta["model_config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {meta.get('path')} has a model config this code cannot build ({e})") from None
+
+
+def load_weights(model: LoopedLM, ckpt: Path):
+    try:
+        weights = load_file(str(ckpt / "model.safetensors"))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt or truncated: model.safetensors cannot be read ({e})") from None
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    shapes = [f"{n} {tuple(weights[n].shape)} vs {tuple(own[n].shape)}" for n in own if n in weights and weights[n].shape != own[n].shape]
+    if missing or unexpected or shapes:
+        raise CheckpointError(f"checkpoint {ckpt} does not match its model config: missing {missing[:4]}, "
+                              f"unexpected {unexpected[:4]}, shape mismatches {shapes[:4]}")
+    model.load_state_dict(weights)
+
+
+def load_model(path, device="cpu") -> tuple[LoopedLM, Tokenizer, dict]:
+    """(model in eval mode on `device`, tokenizer, meta) from a checkpoint folder or a run's out_dir."""
+    meta = read_meta(path)
+    ckpt = Path(meta["path"])
+    model = LoopedLM(model_config_from_meta(meta))
+    load_weights(model, ckpt)
+    try:
+        tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: tokenizer.json cannot be read ({e})") from None
+    return model.to(device).eval(), tokenizer, meta
+
+
+def load_state(path) -> dict:
+    """The training state (optimizer, step, RNG, ...) of a checkpoint; never unpickles code."""
+    ckpt = find_checkpoint(path)
+    try:
+        return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle opcode, forbidden global: all mean "corrupt"
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: state.pt cannot be loaded ({type(e).__name__}: {e})") from None

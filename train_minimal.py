@@ -1,0 +1,89 @@
+"""Train Dense, Full Loop or AsymLoop language models, nanoGPT-style.
+
+    python train_minimal.py                                  # tiny AsymLoop K=3 on the stdlib corpus, CPU, <= 5 min
+    python train_minimal.py --size 60m                       # the paper's 60M AsymLoop K=3, FineWeb-Edu + T5 (GPU)
+    python train_minimal.py --size 60m --arch full_loop      # its depth-matched Full Loop K=2 baseline
+    torchrun --standalone --nproc_per_node 8 train_minimal.py --size 135m
+    python train_minimal.py --resume                         # continue the run in --out-dir exactly
+
+--size picks the model and its training settings; every ModelConfig and TrainConfig field can then be
+overridden, e.g. `--d-model 256 --lr 3e-4 --qk-norm false --max-steps 100`. Unknown keys are errors.
+"""
+
+import argparse
+import difflib
+import sys
+import types
+from dataclasses import MISSING, fields
+
+from minimal_asymloop.checkpoint import CheckpointError
+from minimal_asymloop.data import DataError
+from minimal_asymloop.model import ARCHS, PRESETS, ModelConfig
+from minimal_asymloop.trainer import ConfigError, NonFiniteLossError, TrainConfig, train
+
+
+def _parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def _parse_int(s: str) -> int:
+    v = float(s)  # accepts 1.68e9 for --tokens
+    if not v.is_integer():
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}")
+    return int(v)
+
+
+def _field_parser(f):
+    """argparse type for a dataclass field, from its annotation (`int | None` accepts 'none')."""
+    kinds = [t for t in (f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)) if t is not type(None)]
+    base = {bool: _parse_bool, int: _parse_int, float: float, str: str}[kinds[0]]
+    optional = isinstance(f.type, types.UnionType)
+    return lambda s: None if optional and s.lower() in ("none", "null") else base(s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--size", default="tiny", help=f"preset: {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--arch", default="asymloop", help=f"{', '.join(ARCHS)} (default asymloop)")
+    for title, cls in (("model (ModelConfig)", ModelConfig), ("training (TrainConfig)", TrainConfig)):
+        group = p.add_argument_group(title)
+        for f in fields(cls):
+            if f.name == "arch":
+                continue
+            default = f.default if f.default is not MISSING else None
+            kw = dict(nargs="?", const=True) if f.type is bool else {}  # `--compile` alone means true
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_field_parser(f), default=argparse.SUPPRESS,
+                               metavar=f.name.upper(), help=f"(class default {default!r}; the --size preset may set it)", **kw)
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        known = [o for a in p._actions for o in a.option_strings]
+        bad = [u for u in unknown if u.startswith("-")] or unknown
+        hint = difflib.get_close_matches(bad[0].split("=")[0], known, n=1)
+        p.error(f"unknown option {bad[0]!r}" + (f"; did you mean {hint[0]}?" if hint else "") + " (--help lists every option)")
+    given = vars(args)
+    size, arch = given.pop("size"), given.pop("arch")
+    model_names = {f.name for f in fields(ModelConfig)}
+    try:
+        model_cfg = ModelConfig.from_preset(size, arch, **{k: v for k, v in given.items() if k in model_names})
+        train_over = {k: v for k, v in given.items() if k not in model_names}
+        train_over.setdefault("out_dir", f"out/{size}-{arch}-k{model_cfg.n_iter}")
+        train_cfg = TrainConfig.from_preset(size, **train_over)
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        train(model_cfg, train_cfg)
+    except (ConfigError, DataError, CheckpointError, NonFiniteLossError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
