@@ -157,6 +157,10 @@ def test_generate_until_is_greedy_and_stops(model, tok):
 # ----------------------------------------------------------------------------- on a checkpoint trained in the test
 
 
+# this checkout importable; one thread, as conftest sets for this process (tiny models only lose from more)
+SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+
+
 def run_eval(ckpt, tmp_path, *args):
     return evaluate.main(["--ckpt", str(ckpt), "--device", "cpu", "--out", str(tmp_path / "eval.json"), *args])
 
@@ -284,7 +288,7 @@ def test_harness_cli_is_lm_eval_with_the_model_registered(tiny_checkpoint, tmp_p
     tasks = write_mc_task(tmp_path / "tasks")
     cmd = [sys.executable, "-m", "minimal_asymloop.harness", "--model", "minimal_asymloop", "--model_args",
            f"ckpt={tiny_checkpoint}", "--batch_size", "4", "--device", "cpu", "--tasks", "tiny_mc", "--include_path", str(tasks)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=SUBPROCESS_ENV)
     assert p.returncode == 0, p.stderr[-2000:]
     acc = float(re.search(r"\|\s*acc\s*\|[^|]*\|\s*([0-9.]+)\s*\|", p.stdout).group(1))
     assert acc == pytest.approx(direct_accuracy(tiny_checkpoint), abs=1e-4)
@@ -313,5 +317,5 @@ def test_without_lm_eval_the_command_says_how_to_install(tiny_checkpoint, tmp_pa
     with pytest.raises(SystemExit, match=r'needs lm-eval: .*pip install -e "\.\[eval\]"'):
         run_eval(tiny_checkpoint, tmp_path, "--tasks", "paper")
     code = "import sys; sys.modules['lm_eval'] = None; import minimal_asymloop.evaluate, minimal_asymloop.model; print('ok')"
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=SUBPROCESS_ENV)
     assert p.stdout.strip() == "ok", p.stderr
