@@ -1,6 +1,8 @@
 """Benchmarks that print figures (never timed unit tests).
 
     python -m minimal_asymloop.bench attention   # joint attention paths vs causal SDPA
+    python -m minimal_asymloop.bench moe         # MoE FFN (expert loop) vs dense SwiGLU, layer and model
+    python -m minimal_asymloop.bench generate    # KV-cached vs uncached generation, cache memory
 """
 
 import argparse
@@ -8,7 +10,18 @@ import time
 
 import torch
 
-from minimal_asymloop.model import causal_attention, joint_attention, joint_attention_masked, joint_attention_reference
+from minimal_asymloop.model import (
+    PAPER_MOE,
+    LoopedLM,
+    ModelConfig,
+    MoE,
+    SwiGLU,
+    causal_attention,
+    joint_attention,
+    joint_attention_masked,
+    joint_attention_reference,
+    kv_cache_bytes,
+)
 
 
 def timeit(fn, device, warmup=2, min_time=1.0, max_iters=50):
@@ -54,14 +67,90 @@ def bench_attention(args):
     print("floor for fast/causal-SDPA is about 2 (twice the keys); target <= 2.3 at N=1024")
 
 
+def bench_moe(args):
+    """Forward+backward time of the paper's MoE FFN (8 experts, top-2, half width) against the dense SwiGLU
+    it replaces (same active FLOPs), for one layer and for a whole training step of the given size."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = ModelConfig.from_preset(args.size, args.arch, max_seq_len=args.seq)
+    moe_cfg = ModelConfig.from_preset(args.size, args.arch, max_seq_len=args.seq, **PAPER_MOE)
+    B, N, d = args.batch, args.seq, cfg.d_model
+    print(f"MoE ({moe_cfg.moe_experts} experts, top-{moe_cfg.moe_top_k}, width {moe_cfg.moe_d_ff}) vs dense SwiGLU "
+          f"(width {cfg.d_ff}), size {args.size}, B={B} N={N}, {device} {dtype}, {torch.get_num_threads()} threads")
+    torch.manual_seed(0)
+    x = torch.randn(B * N, d, device=device, requires_grad=True)
+    ctx = lambda: torch.autocast(device.type, dtype) if dtype != torch.float32 else torch.autocast(device.type, enabled=False)
+
+    def step(module, *inputs):
+        def run():
+            with ctx():
+                out = module(*inputs)
+            (out[1] if isinstance(out, tuple) else out).float().sum().backward()
+        return run
+
+    idx = torch.randint(0, cfg.vocab_size, (B, N), device=device)
+    rows = {
+        "FFN layer": (step(SwiGLU(d, cfg.d_ff).to(device), x), step(MoE(moe_cfg).to(device), x)),
+        f"{args.arch} train step": (step(LoopedLM(cfg).to(device).train(), idx, idx),
+                                    step(LoopedLM(moe_cfg).to(device).train(), idx, idx)),
+    }
+    print(f"{'what':<24} {'dense ms':>10} {'MoE ms':>10} {'MoE/dense':>10}")
+    for name, (dense, moe) in rows.items():
+        t_dense, t_moe = timeit(dense, device), timeit(moe, device)
+        print(f"{name:<24} {t_dense * 1e3:>10.1f} {t_moe * 1e3:>10.1f} {t_moe / t_dense:>10.2f}")
+
+
+def bench_generate(args):
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"generation, {args.size} model (random weights), batch {args.batch}, prompt {args.prompt_len} + "
+          f"{args.new_tokens} new tokens, greedy, {device} float32, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{'arch':<10} {'K':>2} {'cached tok/s':>13} {'uncached tok/s':>15} {'speedup':>8}  same tokens")
+    for arch, k in [("dense", 1), ("full_loop", 2), ("asymloop", 3)]:
+        torch.manual_seed(0)
+        model = LoopedLM(ModelConfig.from_preset(args.size, arch, n_iter=k)).to(device).eval()
+        prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len), device=device)
+        out, tps = {}, {}
+        for use_cache in (True, False):
+            model.generate(prompt, 4, temperature=0, use_cache=use_cache)  # warmup
+            sync()
+            t0 = time.perf_counter()
+            out[use_cache] = model.generate(prompt, args.new_tokens, temperature=0, use_cache=use_cache)
+            sync()
+            tps[use_cache] = args.batch * args.new_tokens / (time.perf_counter() - t0)
+        print(f"{arch:<10} {k:>2} {tps[True]:>13.1f} {tps[False]:>15.1f} {tps[True] / tps[False]:>7.2f}x  "
+              f"{'yes' if torch.equal(out[True], out[False]) else 'NO'}")
+    print("\nKV cache memory, 60m, seq 1024, batch 1, bf16 (kv_cache_bytes):")
+    dense = kv_cache_bytes(ModelConfig.from_preset("60m", "dense"), 1024, 1, torch.bfloat16)
+    for arch, k in [("dense", 1), ("full_loop", 2), ("asymloop", 3), ("full_loop", 3), ("asymloop", 5)]:
+        cfg = ModelConfig.from_preset("60m", arch, n_iter=k)
+        b = kv_cache_bytes(cfg, 1024, 1, torch.bfloat16)
+        print(f"{arch:<10} K={k}  eff. depth {cfg.effective_depth:>2}  {b / 2**20:6.1f} MiB  {b / dense:.2f}x dense")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     a = sub.add_parser("attention", help="joint attention paths vs causal SDPA")
     a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a.add_argument("--seq", type=int, nargs="+", default=[256, 1024])
+    m = sub.add_parser("moe", help="MoE FFN expert loop vs dense SwiGLU, one layer and one training step")
+    m.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    m.add_argument("--size", default="tiny")
+    m.add_argument("--arch", default="asymloop")
+    m.add_argument("--batch", type=int, default=8)
+    m.add_argument("--seq", type=int, default=128)
+    g = sub.add_parser("generate", help="KV-cached vs uncached generation tokens/s, and KV cache memory")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--size", default="tiny")
+    g.add_argument("--batch", type=int, default=1)
+    g.add_argument("--prompt-len", type=int, default=32)
+    g.add_argument("--new-tokens", type=int, default=128)
+    g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
-    {"attention": bench_attention}[args.what](args)
+    {"attention": bench_attention, "moe": bench_moe, "generate": bench_generate}[args.what](args)
 
 
 if __name__ == "__main__":

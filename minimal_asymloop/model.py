@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 ARCHS = ("dense", "full_loop", "asymloop")
 CONTEXTS = ("global_kv", "additive", "none")
+BACKBONES = ("llama", "olmo2")
 DEFAULT_N_ITER = {"dense": 1, "full_loop": 2, "asymloop": 3}
 
 # The paper's LLaMA-style sizes (DESIGN.md §2); "tiny" is ours, sized for a 2-core CPU.
@@ -24,7 +25,12 @@ PRESETS = {
     "135m": dict(n_layer=12, d_model=768, n_head=12, d_ff=2048),
     "350m": dict(n_layer=24, d_model=1024, n_head=16, d_ff=2736),
     "1b": dict(n_layer=24, d_model=2048, n_head=32, d_ff=5461),
+    # the paper's Appendix G OLMo-style model: Full Loop K=2 vs AsymLoop K=3 (E=D=4), both effective depth 16
+    "olmo8": dict(n_layer=8, d_model=512, n_head=8, d_ff=2048, backbone="olmo2"),
 }
+# `--moe`: the paper's sparse FFN, 8 SwiGLU experts, top-2. moe_d_ff defaults to d_ff // top_k
+# (1024 at 60m/135m), so the active expert parameters equal the dense FFN's at every size.
+PAPER_MOE = dict(moe_experts=8, moe_top_k=2)
 
 
 # ----------------------------------------------------------------------------- config
@@ -47,6 +53,15 @@ class ModelConfig:
     local_kv: bool = True  # False: "without Local KV" ablation
     norm_eps: float = 1e-6  # (ours)
     init_std: float = 0.02  # (ours) see LoopedLM.init_weights
+    # OLMo-2 switch (paper Appendix G): "olmo2" puts each RMSNorm on its sublayer's output,
+    # x + Norm(Attn(x)), x + Norm(MLP(x)), and turns QKNorm on by default. See Block.
+    backbone: str = "llama"
+    # sparse MoE FFN (DESIGN.md §5): 0 -> dense SwiGLU; else this many SwiGLU experts, top-k routed
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_d_ff: int | None = None  # expert width; None -> d_ff // moe_top_k (ours: active params = dense FFN)
+    moe_balance_weight: float = 0.01  # load-balancing loss weight (paper)
+    moe_z_weight: float = 0.001  # router z-loss weight (paper)
 
     def __post_init__(self):
         def bad(msg):
@@ -57,8 +72,10 @@ class ModelConfig:
         asym = self.arch == "asymloop"
         if self.n_iter is None:
             self.n_iter = DEFAULT_N_ITER[self.arch]
+        if self.backbone not in BACKBONES:
+            bad(f"unknown backbone {self.backbone!r}; choose one of {', '.join(BACKBONES)}")
         if self.qk_norm is None:
-            self.qk_norm = asym
+            self.qk_norm = asym or self.backbone == "olmo2"
         if self.context is None:
             self.context = "global_kv" if asym else "none"
         if self.n_enc is None:
@@ -72,6 +89,20 @@ class ModelConfig:
             bad(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; pick n_head dividing d_model")
         if (self.d_model // self.n_head) % 2:
             bad(f"head dim d_model/n_head={self.d_model // self.n_head} must be even for RoPE")
+        if not isinstance(self.moe_experts, int) or self.moe_experts < 0:
+            bad(f"moe_experts must be an integer >= 0 (0 = dense FFN), got {self.moe_experts!r}")
+        if self.moe_experts:
+            if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.moe_experts:
+                bad(f"moe_top_k={self.moe_top_k!r} must be in 1..moe_experts={self.moe_experts}")
+            if self.moe_d_ff is None:
+                self.moe_d_ff = max(1, self.d_ff // self.moe_top_k)
+            if not isinstance(self.moe_d_ff, int) or self.moe_d_ff < 1:
+                bad(f"moe_d_ff must be a positive integer, got {self.moe_d_ff!r}")
+            if self.moe_balance_weight < 0 or self.moe_z_weight < 0:
+                bad(f"MoE aux loss weights must be >= 0, got moe_balance_weight={self.moe_balance_weight}, "
+                    f"moe_z_weight={self.moe_z_weight}")
+        elif self.moe_d_ff is not None:
+            bad(f"moe_d_ff={self.moe_d_ff} applies only with moe_experts > 0; set moe_experts (e.g. 8) or leave moe_d_ff unset")
         if self.context not in CONTEXTS:
             bad(f"unknown context {self.context!r}; choose one of {', '.join(CONTEXTS)}")
         if asym:
@@ -156,9 +187,70 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class MoE(nn.Module):
+    """Sparse mixture of SwiGLU experts (DESIGN.md §5): a linear router sends each token to its
+    top-k experts, weighted by a softmax over the k chosen logits. No capacity limit: no token dropped.
+
+    Each call adds its load-balancing loss, router z-loss and expert loads to running sums, so an
+    expert layer looped K times accumulates K calls; LoopedLM.forward resets them and reads them out.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.router = nn.Linear(cfg.d_model, cfg.moe_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(cfg.d_model, cfg.moe_d_ff) for _ in range(cfg.moe_experts))
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.n_calls, self.balance_sum, self.z_sum, self.load = 0, 0.0, 0.0, 0
+
+    def route(self, x):
+        """x (T, d) -> router logits (T, E), gates (T, k) summing to 1, chosen expert ids (T, k)."""
+        logits = self.router(x).float()  # (ours) routing math in fp32, also under autocast
+        top_logits, top_ids = logits.topk(self.top_k, dim=-1)
+        gates = top_logits.softmax(dim=-1)  # = the full softmax's top-k probabilities, renormalized
+        return logits, gates, top_ids
+
+    def aux_losses(self, logits, top_ids):
+        """Load balancing E·Σ_e f_e·P_e (Switch Transformer; 1 at a uniform router, up to E/k collapsed)
+        and router z-loss mean_t logsumexp(logits_t)² (ST-MoE). f_e: share of the T·k assignments
+        that went to expert e (no gradient); P_e: mean router probability of e."""
+        counts = torch.bincount(top_ids.flatten(), minlength=self.n_experts)  # (E,) tokens per expert
+        f = counts.float() / top_ids.numel()
+        balance = self.n_experts * (f * logits.softmax(dim=-1).mean(0)).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        return balance, z, counts
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (T, d), T = B·N tokens
+        logits, gates, top_ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):  # readable loop; cost: `python -m minimal_asymloop.bench moe`
+            tok, slot = torch.where(top_ids == e)  # the tokens that chose expert e, and in which of their k slots
+            # an expert with no tokens still runs on an empty batch, so every parameter gets a gradient (DDP needs it)
+            y = expert(x.index_select(0, tok)) * gates[tok, slot].unsqueeze(-1)  # (T_e, d)
+            out.index_add_(0, tok, y.to(out.dtype))
+        balance, z, counts = self.aux_losses(logits, top_ids)
+        self.n_calls += 1
+        self.balance_sum, self.z_sum = self.balance_sum + balance, self.z_sum + z
+        self.load = self.load + counts
+        return out.view(shape)
+
+
 def causal_attention(q, k, v):
     """Plain causal attention (B, H, N, hd) through PyTorch's fused SDPA."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def attention_after_prefix(q, sources):
+    """Decoding: the n queries sit at the last n of T positions; each source (K, V), each
+    (B, H, T, hd), shows key j to query i iff j <= T-n+i, all sources under ONE softmax."""
+    n, t = q.size(-2), sources[0][0].size(-2)
+    mask = None if n == 1 else torch.ones(n, t, dtype=torch.bool, device=q.device).tril(t - n).repeat(1, len(sources))
+    k, v = torch.cat([k for k, _ in sources], dim=-2), torch.cat([v for _, v in sources], dim=-2)  # (B, H, T·S, hd)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 # ----------------------------------------------------------------------------- joint attention
@@ -268,17 +360,22 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         return x.view(b, n, self.n_head, -1).transpose(1, 2)
 
-    def global_kv(self, h_norm, rope):
+    def global_kv(self, h_norm, rope, start: int = 0):
         """This layer's Global KV from the normed encoder output: QKNorm + RoPE once, reused by every iteration."""
-        k = rope(self.k_glob_norm(self.heads(self.wk_glob(h_norm))))
+        k = rope(self.k_glob_norm(self.heads(self.wk_glob(h_norm))), start)
         return k, self.heads(self.wv_glob(h_norm))
 
-    def forward(self, x, rope, kv_glob=None):
-        q = rope(self.q_norm(self.heads(self.wq(x))))  # (B, H, N, hd)
+    def forward(self, x, rope, kv_glob=None, cache=None, start: int = 0):
+        q = rope(self.q_norm(self.heads(self.wq(x))), start)  # (B, H, N, hd) at positions start..start+N-1
         if self.has_local:
-            k = rope(self.k_norm(self.heads(self.wk(x))))
+            k = rope(self.k_norm(self.heads(self.wk(x))), start)
             v = self.heads(self.wv(x))
-        if kv_glob is None:
+            if cache is not None:  # generation: append this call's keys to the earlier tokens' keys
+                k, v = cache.append(k, v)  # (B, H, start+N, hd)
+        if start:  # queries after a cached prefix: no is_causal / joint mask, they assume start 0
+            sources = ([kv_glob] if kv_glob is not None else []) + ([(k, v)] if self.has_local else [])
+            y = attention_after_prefix(q, sources)
+        elif kv_glob is None:
             y = causal_attention(q, k, v)  # dense, full_loop, encoder, or decoder without Global KV
         elif not self.has_local:
             y = causal_attention(q, *kv_glob)  # "without Local KV" ablation
@@ -289,17 +386,25 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """LLaMA-style pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+    """LLaMA-style pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)).
+
+    backbone="olmo2" moves the same two RMSNorms onto the sublayer outputs (OLMo-2's reordered norm):
+    x + RMSNorm(Attn(x)), then x + RMSNorm(MLP(x)). Same parameters, nothing else changes here.
+    """
 
     def __init__(self, cfg: ModelConfig, global_kv: bool = False, local_kv: bool = True):
         super().__init__()
+        self.norm_on_output = cfg.backbone == "olmo2"
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg, global_kv, local_kv)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+        self.mlp = MoE(cfg) if cfg.moe_experts else SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x, rope, kv_glob=None):
-        x = x + self.attn(self.attn_norm(x), rope, kv_glob)
+    def forward(self, x, rope, kv_glob=None, cache=None, start: int = 0):
+        if self.norm_on_output:  # OLMo-2
+            x = x + self.attn_norm(self.attn(x, rope, kv_glob, cache, start))
+            return x + self.mlp_norm(self.mlp(x))
+        x = x + self.attn(self.attn_norm(x), rope, kv_glob, cache, start)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -342,46 +447,55 @@ class LoopedLM(nn.Module):
                 nn.init.normal_(p, 0.0, std)
         self.rope.reset_parameters()
 
-    def global_kv(self, h):
+    def global_kv(self, h, start: int = 0, cache=None):
         """Per decoder layer (K_glob, V_glob) from the encoder output H, computed once per forward."""
         h_norm = self.enc_norm(h)
-        return [blk.attn.global_kv(h_norm, self.rope) for blk in self.decoder]
+        kv = [blk.attn.global_kv(h_norm, self.rope, start) for blk in self.decoder]
+        if cache is not None:  # generation: appended once per new token, shared by all K iterations
+            kv = [cache.layer("global", i).append(*kv_i) for i, kv_i in enumerate(kv)]
+        return kv
 
-    def states(self, idx, n_iter: int | None = None) -> list[torch.Tensor]:
+    def states(self, idx, n_iter: int | None = None, cache=None) -> list[torch.Tensor]:
         """Residual states [z_1, ..., z_K] after each iteration (one entry for dense).
 
         z_k does not depend on the total K, so one call at the largest K gives every
         smaller K's state: the per-iteration logit lens is `model.logits(z_k)`.
+        With a KVCache, idx holds only the tokens after those already cached.
         """
         cfg, n_iter = self.config, n_iter or self.config.n_iter
         if n_iter < 1:
             raise ValueError(f"n_iter must be >= 1, got {n_iter}")
-        if idx.size(1) > cfg.max_seq_len:
-            raise ValueError(f"sequence length {idx.size(1)} exceeds max_seq_len={cfg.max_seq_len}; "
+        start = 0 if cache is None else cache.pos  # position of idx[:, 0]
+        if start + idx.size(1) > cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + idx.size(1)} exceeds max_seq_len={cfg.max_seq_len}; "
                              f"shorten the input or build the model with a larger max_seq_len")
+        if cache is not None:
+            cache.advance(idx.size(1), n_iter)
+        lc = (lambda *key: None) if cache is None else cache.layer  # this call's per-layer KV cache
         x = self.embed(idx)  # (B, N, d)
         if cfg.arch == "dense":
-            for blk in self.blocks:
-                x = blk(x, self.rope)
+            for i, blk in enumerate(self.blocks):
+                x = blk(x, self.rope, cache=lc("block", 0, i), start=start)
             return [x]
         if cfg.arch == "full_loop":  # z_0 = embed(x), z_k = Stack(z_{k-1})
             out = []
-            for _ in range(n_iter):
-                for blk in self.blocks:
-                    x = blk(x, self.rope)
+            for k in range(n_iter):
+                for i, blk in enumerate(self.blocks):
+                    x = blk(x, self.rope, cache=lc("block", k, i), start=start)
                 out.append(x)
             return out
-        for blk in self.encoder:  # H = Enc(embed(x)), run once
-            x = blk(x, self.rope)
+        for i, blk in enumerate(self.encoder):  # H = Enc(embed(x)), run once
+            x = blk(x, self.rope, cache=lc("enc", i), start=start)
         h = x
-        kv = self.global_kv(h) if cfg.context == "global_kv" else [None] * cfg.n_dec
+        kv = self.global_kv(h, start, cache) if cfg.context == "global_kv" else [None] * cfg.n_dec
         z = torch.zeros_like(h) if cfg.context == "additive" else h  # z_0
         out = []
-        for _ in range(n_iter):  # z_k = Dec(z_{k-1}), decoder weights shared across k
+        for k in range(n_iter):  # z_k = Dec(z_{k-1}), decoder weights shared across k
             if cfg.context == "additive":
                 z = z + h  # additive injection: z_k = Dec(z_{k-1} + H)
-            for blk, kv_l in zip(self.decoder, kv):
-                z = blk(z, self.rope, kv_l)
+            for i, (blk, kv_l) in enumerate(zip(self.decoder, kv)):
+                # Local KV per (iteration, layer): the decoder state differs at each iteration
+                z = blk(z, self.rope, kv_l, lc("local", k, i), start)
             out.append(z)
         return out
 
@@ -389,11 +503,120 @@ class LoopedLM(nn.Module):
         return self.head(self.norm(z))  # (B, N, V)
 
     def forward(self, idx, targets=None, n_iter: int | None = None):
+        """(logits, loss). With MoE, loss adds the routers' aux losses in training mode only,
+        so in eval mode it is the plain cross-entropy (validation excludes them)."""
+        moe = self.moe_layers()
+        for m in moe.values():
+            m.reset_stats()
         logits = self.logits(self.states(idx, n_iter)[-1])
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+            if moe and self.training:
+                loss = loss + sum(self.moe_aux_losses().values())
         return logits, loss
+
+    # ------------------------------------------------------------------------- MoE bookkeeping
+
+    def moe_layers(self) -> dict[str, MoE]:
+        return {name: m for name, m in self.named_modules() if isinstance(m, MoE)}
+
+    def moe_aux_losses(self) -> dict[str, torch.Tensor]:
+        """The last forward's weighted aux losses, as added to the training loss: load balancing and router
+        z-loss, each averaged over every executed MoE call (layers × iterations; ours: a mean, not a sum,
+        so the weights keep their meaning at any depth or K). Empty for a dense FFN."""
+        cfg, moe = self.config, self.moe_layers().values()
+        calls = sum(m.n_calls for m in moe)
+        if not calls:
+            return {}
+        return {"moe_balance_loss": cfg.moe_balance_weight * sum(m.balance_sum for m in moe) / calls,
+                "moe_z_loss": cfg.moe_z_weight * sum(m.z_sum for m in moe) / calls}
+
+    @torch.no_grad()
+    def moe_load_entropy(self) -> dict[str, float]:
+        """Entropy (nats) of each MoE layer's expert load in the last forward, summed over its iterations:
+        log(moe_experts) = perfectly balanced, 0 = every token on one expert."""
+        out = {}
+        for name, m in self.moe_layers().items():
+            if m.n_calls:
+                share = m.load.float() / m.load.sum()
+                out[f"moe_load_entropy/{name.removesuffix('.mlp')}"] = torch.special.entr(share).sum().item()
+        return out
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 n_iter: int | None = None, use_cache: bool = True):
+        """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy.
+
+        With the cache, the prompt runs in one forward pass (prefill), then each step runs
+        only the newest token. n_iter may differ from the trained K (test-time depth).
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(f"idx must be a (batch, length>=1) tensor of token ids, got shape {tuple(idx.shape)}")
+        window = self.config.max_seq_len
+        cache = KVCache() if use_cache else None
+        for _ in range(max_new_tokens):
+            if idx.size(1) > window:  # (ours) past max_seq_len the window slides, like nanoGPT; the
+                cache = None  # cached keys sit at the wrong RoPE positions, so recompute from here on
+            new = idx[:, -window:] if cache is None else idx[:, cache.pos:]  # cached: the prompt, then one token
+            logits = self.logits(self.states(new, n_iter, cache)[-1][:, -1]).float()  # (B, V)
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_id = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
+            idx = torch.cat([idx, next_id], dim=1)
+        return idx
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+class LayerKV:
+    """One attention layer's keys and values for the tokens so far, each (B, H, T, hd)."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def append(self, k, v):
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
+        self.k, self.v = k, v
+        return k, v
+
+
+class KVCache:
+    """Everything generation keeps between steps, one LayerKV per attention call per token:
+    dense / full loop: ("block", k, l), so K·L for full loop; asymloop: ("enc", l) for the
+    encoder, ("global", l) per decoder layer shared by all iterations, and ("local", k, l)
+    per iteration (E + D + K·D; layers without Local KV leave theirs empty)."""
+
+    def __init__(self):
+        self.pos = 0  # tokens cached so far = position of the next one
+        self.n_iter = None  # the depth K it was filled at
+        self.layers: dict[tuple, LayerKV] = {}
+
+    def advance(self, n: int, n_iter: int):
+        if self.pos and n_iter != self.n_iter:  # iterations it never ran have no Local KV for earlier tokens
+            raise ValueError(f"this KVCache was filled at n_iter={self.n_iter}, not {n_iter}; keep the depth or start a new KVCache")
+        self.pos, self.n_iter = self.pos + n, n_iter
+
+    def layer(self, *key) -> LayerKV:
+        if key not in self.layers:
+            self.layers[key] = LayerKV()
+        return self.layers[key]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for c in self.layers.values() if c.k is not None for t in (c.k, c.v))
 
 
 # ----------------------------------------------------------------------------- counting
@@ -408,12 +631,16 @@ def count_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
     """Forward FLOPs per token, the paper's Appendix D convention (DESIGN.md §3).
 
-    Each executed block 8d² + 6·d·d_ff + 4·N·d (full N×N scores); head 2·d·V; AsymLoop adds
+    Each executed block 8d² + 6·d·d_ff + 4·N·d (full N×N scores), with MoE 6·d·d_ff becomes
+    top_k·6·d·moe_d_ff + 2·d·moe_experts (active experts + router); head 2·d·V; AsymLoop adds
     4d² per decoder layer for the Global KV projections (once) and 4·N·d per decoder layer
     per iteration for global attention. Training is about 3x this.
     """
     n, d, dff = seq_len or cfg.max_seq_len, cfg.d_model, cfg.d_ff
-    block = 8 * d * d + 6 * d * dff + 4 * n * d
+    ffn = 6 * d * dff
+    if cfg.moe_experts:  # active experts only: top_k SwiGLUs of width moe_d_ff, plus the d x E router
+        ffn = cfg.moe_top_k * 6 * d * cfg.moe_d_ff + 2 * d * cfg.moe_experts
+    block = 8 * d * d + ffn + 4 * n * d
     glob_proj = glob_attn = 0
     if cfg.arch == "asymloop":
         # without Local KV the decoder computes no K_loc, V_loc and no local scores
@@ -427,6 +654,17 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
     head = 2 * d * cfg.vocab_size
     total = blocks + head + glob_proj + glob_attn
     return dict(total=total, blocks=blocks, head=head, global_kv_proj=glob_proj, global_attn=glob_attn)
+
+
+def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype=torch.bfloat16, n_iter: int | None = None) -> int:
+    """Bytes of the KV cache for batch sequences of seq_len tokens: K and V, (B, T, d) each,
+    per cached attention call (see KVCache). AsymLoop caches E + D·[Global KV] + K·D·[Local KV]."""
+    k = n_iter or cfg.n_iter
+    if cfg.arch == "asymloop":
+        n_caches = cfg.n_enc + cfg.n_dec * (cfg.context == "global_kv") + k * cfg.n_dec * cfg.local_kv
+    else:
+        n_caches = cfg.n_layer * (k if cfg.arch == "full_loop" else 1)
+    return n_caches * 2 * batch * seq_len * cfg.d_model * torch.empty((), dtype=dtype).element_size()
 
 
 def sizes_table(seq_len: int = 1024) -> str:
