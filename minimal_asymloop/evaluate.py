@@ -11,6 +11,7 @@ lm-eval is an optional extra: pip install -e ".[eval]".
 """
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -156,7 +157,7 @@ def run_tasks(lm, tasks, num_fewshot: int, limit=None) -> dict:
     out = lm_eval.simple_evaluate(model=lm, tasks=list(task_dict.values()), num_fewshot=num_fewshot, limit=limit,
                                   log_samples=False, task_manager=tm)
     res = {name: {k.split(",")[0]: v for k, v in r.items() if "," in k} for name, r in out["results"].items()}
-    return dict(results=res, lm_eval_version=lm_eval.__version__)
+    return dict(results=res, lm_eval_version=importlib.metadata.version("lm_eval"))  # old lm-evals have no __version__
 
 
 def paper_table(results: dict, names: list[str], metric: str, label: str) -> tuple[str, float]:
