@@ -320,3 +320,12 @@ def test_without_lm_eval_the_command_says_how_to_install(tiny_checkpoint, tmp_pa
     code = "import sys; sys.modules['lm_eval'] = None; import minimal_asymloop.evaluate, minimal_asymloop.model; print('ok')"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=SUBPROCESS_ENV)
     assert p.stdout.strip() == "ok", p.stderr
+
+
+def test_paper_table_layout_and_unweighted_mean():
+    res = {"piqa": {"acc": 0.60, "acc_norm": 0.62}, "social_iqa": {"acc": 0.40}, "arc_easy": {"acc": 0.50, "acc_norm": 0.44}}
+    table, mean = evaluate.paper_table(res, ["piqa", "siqa", "arc_easy"], "acc_norm", "asymloop K=3")
+    assert table.splitlines()[0] == "| Model | PIQA | SIQA† | ARC-e | Avg. |"
+    assert table.splitlines()[2] == "| asymloop K=3 | 62.00 | 40.00 | 44.00 | 48.67 |"
+    assert mean == pytest.approx((62 + 40 + 44) / 3)
+    assert evaluate.paper_table(res, ["piqa", "siqa"], "acc", "m")[1] == pytest.approx(50.0)
