@@ -17,17 +17,9 @@ from lm_eval.api.registry import MODEL_REGISTRY, register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from minimal_asymloop.data import eot_id
+
 MODEL_NAME = "minimal_asymloop"
-EOT_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # (ours) first one the tokenizer knows is end-of-text
-
-
-def find_eot(tokenizer) -> int:
-    """Id of the tokenizer's end-of-text token: lm-eval's prefix for an empty context and a stop token."""
-    for tok in EOT_TOKENS:
-        if (i := tokenizer.token_to_id(tok)) is not None:
-            return i
-    raise ValueError(f"the tokenizer has none of the end-of-text tokens {', '.join(EOT_TOKENS)}; "
-                     f"pass eot_token=<token> in --model_args")
 
 
 class AsymLoopLM(TemplateLM):
@@ -56,13 +48,16 @@ class AsymLoopLM(TemplateLM):
         self.tokenizer = tokenizer
         self._device = torch.device(device)
         self.n_iter = None if n_iter is None else int(n_iter)  # None -> the trained K
+        if self.n_iter is not None and (self.n_iter < 1 or model.config.arch == "dense"):
+            raise ValueError(f"n_iter={n_iter}: K must be >= 1, and only full_loop/asymloop loop (this is {model.config.arch})")
         self.batch_size = int(batch_size)
         self.max_length = int(max_length or model.config.max_seq_len)
         if not 1 <= self.max_length <= model.config.max_seq_len:
             raise ValueError(f"max_length={self.max_length} must be in 1..{model.config.max_seq_len} (the model's max_seq_len)")
         self.max_gen_toks = int(max_gen_toks)
         self.dtype = dtype
-        self._eot = find_eot(tokenizer) if eot_token is None else tokenizer.token_to_id(eot_token)
+        # the document separator of the training data: lm-eval's prefix for an empty context, and a stop token
+        self._eot = eot_id(tokenizer) if eot_token is None else tokenizer.token_to_id(eot_token)
         if self._eot is None:
             raise ValueError(f"eot_token={eot_token!r} is not in the tokenizer's vocabulary")
 

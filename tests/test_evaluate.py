@@ -294,7 +294,7 @@ def test_harness_cli_is_lm_eval_with_the_model_registered(tiny_checkpoint, tmp_p
     assert acc == pytest.approx(direct_accuracy(tiny_checkpoint), abs=1e-4)
 
 
-def test_model_is_registered_and_built_from_model_args(tiny_checkpoint):
+def test_model_is_registered_and_built_from_model_args(tiny_checkpoint, tok):
     from lm_eval.api.registry import get_model
 
     assert get_model("minimal_asymloop") is AsymLoopLM
@@ -303,6 +303,9 @@ def test_model_is_registered_and_built_from_model_args(tiny_checkpoint):
     assert (a.n_iter, a.batch_size, a.max_length, a.eot_token_id) == (2, 3, 40, 0)
     with pytest.raises(ValueError, match="batch_size='auto' is not supported"):
         AsymLoopLM.create_from_arg_string(f"ckpt={tiny_checkpoint}", {"batch_size": "auto", "device": "cpu"})
+    dense = LoopedLM(ModelConfig(arch="dense", n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=tok.get_vocab_size()))
+    with pytest.raises(ValueError, match="only full_loop/asymloop loop"):
+        lm(dense, tok, n_iter=2)
 
 
 def test_offline_hub_fails_fast_with_a_clear_message(tiny_checkpoint, tmp_path):
