@@ -5,6 +5,8 @@
     python train_minimal.py --size 60m --arch full_loop      # its depth-matched Full Loop K=2 baseline
     torchrun --standalone --nproc_per_node 8 train_minimal.py --size 135m
     python train_minimal.py --resume                         # continue the run in --out-dir exactly
+    python train_minimal.py --size 60m --moe                 # sparse MoE FFNs: 8 experts of width 1024, top-2
+    python train_minimal.py --size olmo8 --arch full_loop    # the paper's OLMo-style model (Appendix G), K=2
 
 --size picks the model and its training settings; every ModelConfig and TrainConfig field can then be
 overridden, e.g. `--d-model 256 --lr 3e-4 --qk-norm false --max-steps 100`. Unknown keys are errors.
@@ -18,7 +20,7 @@ from dataclasses import MISSING, fields
 
 from minimal_asymloop.checkpoint import CheckpointError
 from minimal_asymloop.data import DataError
-from minimal_asymloop.model import ARCHS, PRESETS, ModelConfig
+from minimal_asymloop.model import ARCHS, PAPER_MOE, PRESETS, ModelConfig
 from minimal_asymloop.trainer import ConfigError, NonFiniteLossError, TrainConfig, train
 
 
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--size", default="tiny", help=f"preset: {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--arch", default="asymloop", help=f"{', '.join(ARCHS)} (default asymloop)")
+    p.add_argument("--moe", action="store_true", help="the paper's sparse MoE FFNs: 8 SwiGLU experts, top-2, "
+                   "moe_d_ff = d_ff/2 (1024 at 60m/135m); --moe-* options override")
     for title, cls in (("model (ModelConfig)", ModelConfig), ("training (TrainConfig)", TrainConfig)):
         group = p.add_argument_group(title)
         for f in fields(cls):
@@ -74,14 +78,15 @@ def main(argv=None):
         hint = difflib.get_close_matches(bad[0].split("=")[0], known, n=1)
         p.error(f"unknown option {bad[0]!r}" + (f"; did you mean {hint[0]}?" if hint else "") + " (--help lists every option)")
     given = vars(args)
-    size, arch = given.pop("size"), given.pop("arch")
+    size, arch, moe = given.pop("size"), given.pop("arch"), given.pop("moe")
     if "alrs_range" in given:
         given["alrs_lo"], given["alrs_hi"] = given.pop("alrs_range")
     model_names = {f.name for f in fields(ModelConfig)}
     try:
-        model_cfg = ModelConfig.from_preset(size, arch, **{k: v for k, v in given.items() if k in model_names})
+        model_over = {k: v for k, v in given.items() if k in model_names}
+        model_cfg = ModelConfig.from_preset(size, arch, **({**PAPER_MOE, **model_over} if moe else model_over))
         train_over = {k: v for k, v in given.items() if k not in model_names}
-        train_over.setdefault("out_dir", f"out/{size}-{arch}-k{model_cfg.n_iter}")
+        train_over.setdefault("out_dir", f"out/{size}-{arch}{'-moe' if model_cfg.moe_experts else ''}-k{model_cfg.n_iter}")
         train_cfg = TrainConfig.from_preset(size, **train_over)
     except ValueError as e:
         p.error(str(e))

@@ -23,7 +23,9 @@ import torch.nn as nn
 FITS = ("ww", "hill_median")
 EVALS_THRESH = 1e-5  # eigenvalues at or below this count as zero (weightwatcher's and the reference code's cut)
 MIN_EVALS = 50  # matrices with fewer eigenvalues are not tuned
-TOP_NAMES = ("embed.weight", "head.weight")  # always get the top multiplier, as in the reference code
+# Embedding and head always get the top multiplier, as in the reference code. (ours) Their alphas are
+# logged but kept out of the min/max: vocabulary-sized spectra would otherwise set everyone's range.
+TOP_NAMES = ("embed.weight", "head.weight")
 GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN", "global KV",
           "attention", "FFN", "embedding/head")  # "attention"/"FFN": the `blocks` of dense and full_loop
 
@@ -140,7 +142,7 @@ def group_of(name: str) -> str | None:
 
 
 def group_means(values: dict[str, float]) -> dict[str, float]:
-    """Mean value per logging group (unweighted over the group's matrices)."""
+    """Mean value per logging group. (ours) Unweighted over the group's matrices."""
     by_group: dict[str, list] = {}
     for name, v in values.items():
         if (g := group_of(name)) is not None:

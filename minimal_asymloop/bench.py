@@ -1,6 +1,7 @@
 """Benchmarks that print figures (never timed unit tests).
 
     python -m minimal_asymloop.bench attention   # joint attention paths vs causal SDPA
+    python -m minimal_asymloop.bench moe         # MoE FFN (expert loop) vs dense SwiGLU, layer and model
     python -m minimal_asymloop.bench alrs        # one ALRS allocation vs 100 training steps
 """
 
@@ -10,7 +11,17 @@ import time
 import numpy as np
 import torch
 
-from minimal_asymloop.model import causal_attention, joint_attention, joint_attention_masked, joint_attention_reference
+from minimal_asymloop.model import (
+    PAPER_MOE,
+    LoopedLM,
+    ModelConfig,
+    MoE,
+    SwiGLU,
+    causal_attention,
+    joint_attention,
+    joint_attention_masked,
+    joint_attention_reference,
+)
 
 
 def timeit(fn, device, warmup=2, min_time=1.0, max_iters=50):
@@ -56,6 +67,39 @@ def bench_attention(args):
     print("floor for fast/causal-SDPA is about 2 (twice the keys); target <= 2.3 at N=1024")
 
 
+def bench_moe(args):
+    """Forward+backward time of the paper's MoE FFN (8 experts, top-2, half width) against the dense SwiGLU
+    it replaces (same active FLOPs), for one layer and for a whole training step of the given size."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = ModelConfig.from_preset(args.size, args.arch, max_seq_len=args.seq)
+    moe_cfg = ModelConfig.from_preset(args.size, args.arch, max_seq_len=args.seq, **PAPER_MOE)
+    B, N, d = args.batch, args.seq, cfg.d_model
+    print(f"MoE ({moe_cfg.moe_experts} experts, top-{moe_cfg.moe_top_k}, width {moe_cfg.moe_d_ff}) vs dense SwiGLU "
+          f"(width {cfg.d_ff}), size {args.size}, B={B} N={N}, {device} {dtype}, {torch.get_num_threads()} threads")
+    torch.manual_seed(0)
+    x = torch.randn(B * N, d, device=device, requires_grad=True)
+    ctx = lambda: torch.autocast(device.type, dtype) if dtype != torch.float32 else torch.autocast(device.type, enabled=False)
+
+    def step(module, *inputs):
+        def run():
+            with ctx():
+                out = module(*inputs)
+            (out[1] if isinstance(out, tuple) else out).float().sum().backward()
+        return run
+
+    idx = torch.randint(0, cfg.vocab_size, (B, N), device=device)
+    rows = {
+        "FFN layer": (step(SwiGLU(d, cfg.d_ff).to(device), x), step(MoE(moe_cfg).to(device), x)),
+        f"{args.arch} train step": (step(LoopedLM(cfg).to(device).train(), idx, idx),
+                                    step(LoopedLM(moe_cfg).to(device).train(), idx, idx)),
+    }
+    print(f"{'what':<24} {'dense ms':>10} {'MoE ms':>10} {'MoE/dense':>10}")
+    for name, (dense, moe) in rows.items():
+        t_dense, t_moe = timeit(dense, device), timeit(moe, device)
+        print(f"{name:<24} {t_dense * 1e3:>10.1f} {t_moe * 1e3:>10.1f} {t_moe / t_dense:>10.2f}")
+
+
 def bench_alrs(args):
     """One ALRS allocation (eigenvalues, then each fit) for a preset, next to weightwatcher's
     analyze() and to 100 training steps estimated from a measured forward+backward.
@@ -63,7 +107,7 @@ def bench_alrs(args):
     import warnings
 
     from minimal_asymloop import alrs
-    from minimal_asymloop.model import LoopedLM, ModelConfig, count_params
+    from minimal_asymloop.model import count_params
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -130,6 +174,12 @@ def main(argv=None):
     a = sub.add_parser("attention", help="joint attention paths vs causal SDPA")
     a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a.add_argument("--seq", type=int, nargs="+", default=[256, 1024])
+    m = sub.add_parser("moe", help="MoE FFN expert loop vs dense SwiGLU, one layer and one training step")
+    m.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    m.add_argument("--size", default="tiny")
+    m.add_argument("--arch", default="asymloop")
+    m.add_argument("--batch", type=int, default=8)
+    m.add_argument("--seq", type=int, default=128)
     r = sub.add_parser("alrs", help="one ALRS allocation vs 100 training steps")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     r.add_argument("--size", default="60m")
@@ -141,7 +191,7 @@ def main(argv=None):
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     r.add_argument("--no-ww-analyze", dest="ww_analyze", action="store_false", help="skip the weightwatcher reference")
     args = p.parse_args(argv)
-    {"attention": bench_attention, "alrs": bench_alrs}[args.what](args)
+    {"attention": bench_attention, "moe": bench_moe, "alrs": bench_alrs}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 ARCHS = ("dense", "full_loop", "asymloop")
 CONTEXTS = ("global_kv", "additive", "none")
+BACKBONES = ("llama", "olmo2")
 DEFAULT_N_ITER = {"dense": 1, "full_loop": 2, "asymloop": 3}
 
 # The paper's LLaMA-style sizes (DESIGN.md §2); "tiny" is ours, sized for a 2-core CPU.
@@ -24,7 +25,12 @@ PRESETS = {
     "135m": dict(n_layer=12, d_model=768, n_head=12, d_ff=2048),
     "350m": dict(n_layer=24, d_model=1024, n_head=16, d_ff=2736),
     "1b": dict(n_layer=24, d_model=2048, n_head=32, d_ff=5461),
+    # the paper's Appendix G OLMo-style model: Full Loop K=2 vs AsymLoop K=3 (E=D=4), both effective depth 16
+    "olmo8": dict(n_layer=8, d_model=512, n_head=8, d_ff=2048, backbone="olmo2"),
 }
+# `--moe`: the paper's sparse FFN, 8 SwiGLU experts, top-2. moe_d_ff defaults to d_ff // top_k
+# (1024 at 60m/135m), so the active expert parameters equal the dense FFN's at every size.
+PAPER_MOE = dict(moe_experts=8, moe_top_k=2)
 
 
 # ----------------------------------------------------------------------------- config
@@ -47,6 +53,15 @@ class ModelConfig:
     local_kv: bool = True  # False: "without Local KV" ablation
     norm_eps: float = 1e-6  # (ours)
     init_std: float = 0.02  # (ours) see LoopedLM.init_weights
+    # OLMo-2 switch (paper Appendix G): "olmo2" puts each RMSNorm on its sublayer's output,
+    # x + Norm(Attn(x)), x + Norm(MLP(x)), and turns QKNorm on by default. See Block.
+    backbone: str = "llama"
+    # sparse MoE FFN (DESIGN.md §5): 0 -> dense SwiGLU; else this many SwiGLU experts, top-k routed
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_d_ff: int | None = None  # expert width; None -> d_ff // moe_top_k (ours: active params = dense FFN)
+    moe_balance_weight: float = 0.01  # load-balancing loss weight (paper)
+    moe_z_weight: float = 0.001  # router z-loss weight (paper)
 
     def __post_init__(self):
         def bad(msg):
@@ -57,8 +72,10 @@ class ModelConfig:
         asym = self.arch == "asymloop"
         if self.n_iter is None:
             self.n_iter = DEFAULT_N_ITER[self.arch]
+        if self.backbone not in BACKBONES:
+            bad(f"unknown backbone {self.backbone!r}; choose one of {', '.join(BACKBONES)}")
         if self.qk_norm is None:
-            self.qk_norm = asym
+            self.qk_norm = asym or self.backbone == "olmo2"
         if self.context is None:
             self.context = "global_kv" if asym else "none"
         if self.n_enc is None:
@@ -72,6 +89,20 @@ class ModelConfig:
             bad(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; pick n_head dividing d_model")
         if (self.d_model // self.n_head) % 2:
             bad(f"head dim d_model/n_head={self.d_model // self.n_head} must be even for RoPE")
+        if not isinstance(self.moe_experts, int) or self.moe_experts < 0:
+            bad(f"moe_experts must be an integer >= 0 (0 = dense FFN), got {self.moe_experts!r}")
+        if self.moe_experts:
+            if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.moe_experts:
+                bad(f"moe_top_k={self.moe_top_k!r} must be in 1..moe_experts={self.moe_experts}")
+            if self.moe_d_ff is None:
+                self.moe_d_ff = max(1, self.d_ff // self.moe_top_k)
+            if not isinstance(self.moe_d_ff, int) or self.moe_d_ff < 1:
+                bad(f"moe_d_ff must be a positive integer, got {self.moe_d_ff!r}")
+            if self.moe_balance_weight < 0 or self.moe_z_weight < 0:
+                bad(f"MoE aux loss weights must be >= 0, got moe_balance_weight={self.moe_balance_weight}, "
+                    f"moe_z_weight={self.moe_z_weight}")
+        elif self.moe_d_ff is not None:
+            bad(f"moe_d_ff={self.moe_d_ff} applies only with moe_experts > 0; set moe_experts (e.g. 8) or leave moe_d_ff unset")
         if self.context not in CONTEXTS:
             bad(f"unknown context {self.context!r}; choose one of {', '.join(CONTEXTS)}")
         if asym:
@@ -154,6 +185,58 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nn.Module):
+    """Sparse mixture of SwiGLU experts (DESIGN.md §5): a linear router sends each token to its
+    top-k experts, weighted by a softmax over the k chosen logits. No capacity limit: no token dropped.
+
+    Each call adds its load-balancing loss, router z-loss and expert loads to running sums, so an
+    expert layer looped K times accumulates K calls; LoopedLM.forward resets them and reads them out.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.router = nn.Linear(cfg.d_model, cfg.moe_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(cfg.d_model, cfg.moe_d_ff) for _ in range(cfg.moe_experts))
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.n_calls, self.balance_sum, self.z_sum, self.load = 0, 0.0, 0.0, 0
+
+    def route(self, x):
+        """x (T, d) -> router logits (T, E), gates (T, k) summing to 1, chosen expert ids (T, k)."""
+        logits = self.router(x).float()  # (ours) routing math in fp32, also under autocast
+        top_logits, top_ids = logits.topk(self.top_k, dim=-1)
+        gates = top_logits.softmax(dim=-1)  # = the full softmax's top-k probabilities, renormalized
+        return logits, gates, top_ids
+
+    def aux_losses(self, logits, top_ids):
+        """Load balancing E·Σ_e f_e·P_e (Switch Transformer; 1 at a uniform router, up to E/k collapsed)
+        and router z-loss mean_t logsumexp(logits_t)² (ST-MoE). f_e: share of the T·k assignments
+        that went to expert e (no gradient); P_e: mean router probability of e."""
+        counts = torch.bincount(top_ids.flatten(), minlength=self.n_experts)  # (E,) tokens per expert
+        f = counts.float() / top_ids.numel()
+        balance = self.n_experts * (f * logits.softmax(dim=-1).mean(0)).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        return balance, z, counts
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (T, d), T = B·N tokens
+        logits, gates, top_ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):  # readable loop; cost: `python -m minimal_asymloop.bench moe`
+            tok, slot = torch.where(top_ids == e)  # the tokens that chose expert e, and in which of their k slots
+            # an expert with no tokens still runs on an empty batch, so every parameter gets a gradient (DDP needs it)
+            y = expert(x.index_select(0, tok)) * gates[tok, slot].unsqueeze(-1)  # (T_e, d)
+            out.index_add_(0, tok, y.to(out.dtype))
+        balance, z, counts = self.aux_losses(logits, top_ids)
+        self.n_calls += 1
+        self.balance_sum, self.z_sum = self.balance_sum + balance, self.z_sum + z
+        self.load = self.load + counts
+        return out.view(shape)
 
 
 def causal_attention(q, k, v):
@@ -289,16 +372,24 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """LLaMA-style pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+    """LLaMA-style pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)).
+
+    backbone="olmo2" moves the same two RMSNorms onto the sublayer outputs (OLMo-2's reordered norm):
+    x + RMSNorm(Attn(x)), then x + RMSNorm(MLP(x)). Same parameters, nothing else changes here.
+    """
 
     def __init__(self, cfg: ModelConfig, global_kv: bool = False, local_kv: bool = True):
         super().__init__()
+        self.norm_on_output = cfg.backbone == "olmo2"
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg, global_kv, local_kv)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+        self.mlp = MoE(cfg) if cfg.moe_experts else SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x, rope, kv_glob=None):
+        if self.norm_on_output:  # OLMo-2
+            x = x + self.attn_norm(self.attn(x, rope, kv_glob))
+            return x + self.mlp_norm(self.mlp(x))
         x = x + self.attn(self.attn_norm(x), rope, kv_glob)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -389,11 +480,45 @@ class LoopedLM(nn.Module):
         return self.head(self.norm(z))  # (B, N, V)
 
     def forward(self, idx, targets=None, n_iter: int | None = None):
+        """(logits, loss). With MoE, loss adds the routers' aux losses in training mode only,
+        so in eval mode it is the plain cross-entropy (validation excludes them)."""
+        moe = self.moe_layers()
+        for m in moe.values():
+            m.reset_stats()
         logits = self.logits(self.states(idx, n_iter)[-1])
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+            if moe and self.training:
+                loss = loss + sum(self.moe_aux_losses().values())
         return logits, loss
+
+    # ------------------------------------------------------------------------- MoE bookkeeping
+
+    def moe_layers(self) -> dict[str, MoE]:
+        return {name: m for name, m in self.named_modules() if isinstance(m, MoE)}
+
+    def moe_aux_losses(self) -> dict[str, torch.Tensor]:
+        """The last forward's weighted aux losses, as added to the training loss: load balancing and router
+        z-loss, each averaged over every executed MoE call (layers × iterations; ours: a mean, not a sum,
+        so the weights keep their meaning at any depth or K). Empty for a dense FFN."""
+        cfg, moe = self.config, self.moe_layers().values()
+        calls = sum(m.n_calls for m in moe)
+        if not calls:
+            return {}
+        return {"moe_balance_loss": cfg.moe_balance_weight * sum(m.balance_sum for m in moe) / calls,
+                "moe_z_loss": cfg.moe_z_weight * sum(m.z_sum for m in moe) / calls}
+
+    @torch.no_grad()
+    def moe_load_entropy(self) -> dict[str, float]:
+        """Entropy (nats) of each MoE layer's expert load in the last forward, summed over its iterations:
+        log(moe_experts) = perfectly balanced, 0 = every token on one expert."""
+        out = {}
+        for name, m in self.moe_layers().items():
+            if m.n_calls:
+                share = m.load.float() / m.load.sum()
+                out[f"moe_load_entropy/{name.removesuffix('.mlp')}"] = torch.special.entr(share).sum().item()
+        return out
 
 
 # ----------------------------------------------------------------------------- counting
@@ -408,12 +533,16 @@ def count_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
     """Forward FLOPs per token, the paper's Appendix D convention (DESIGN.md §3).
 
-    Each executed block 8d² + 6·d·d_ff + 4·N·d (full N×N scores); head 2·d·V; AsymLoop adds
+    Each executed block 8d² + 6·d·d_ff + 4·N·d (full N×N scores), with MoE 6·d·d_ff becomes
+    top_k·6·d·moe_d_ff + 2·d·moe_experts (active experts + router); head 2·d·V; AsymLoop adds
     4d² per decoder layer for the Global KV projections (once) and 4·N·d per decoder layer
     per iteration for global attention. Training is about 3x this.
     """
     n, d, dff = seq_len or cfg.max_seq_len, cfg.d_model, cfg.d_ff
-    block = 8 * d * d + 6 * d * dff + 4 * n * d
+    ffn = 6 * d * dff
+    if cfg.moe_experts:  # active experts only: top_k SwiGLUs of width moe_d_ff, plus the d x E router
+        ffn = cfg.moe_top_k * 6 * d * cfg.moe_d_ff + 2 * d * cfg.moe_experts
+    block = 8 * d * d + ffn + 4 * n * d
     glob_proj = glob_attn = 0
     if cfg.arch == "asymloop":
         # without Local KV the decoder computes no K_loc, V_loc and no local scores

@@ -127,6 +127,8 @@ TRAIN_PRESETS = {
     "135m": dict(_PAPER, tokens=3_000_000_000, micro_batch=32, eval_interval=250),
     "350m": dict(_PAPER, tokens=7_000_000_000, micro_batch=16, eval_interval=500),
     "1b": dict(_PAPER, tokens=20_000_000_000, micro_batch=8, eval_interval=500),
+    # (ours) the paper's Appendix G gives no budget for its OLMo-style model; 60m's, a model of similar size
+    "olmo8": dict(_PAPER, tokens=1_680_000_000, micro_batch=32, eval_interval=250),
 }
 # settings that may change on --resume without changing the result (or only its speed)
 RESUME_MAY_CHANGE = {"out_dir", "device", "compile", "stop_step", "quiet", "resume", "eval_interval", "eval_batches",
@@ -173,15 +175,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 # ----------------------------------------------------------------------------- loss, evaluation, metrics
 
 
+def _unwrap(model) -> LoopedLM:
+    model = getattr(model, "module", model)  # DDP
+    return getattr(model, "_orig_mod", model)  # torch.compile
+
+
 def compute_loss(model, x, y):
     """The one place a batch becomes a loss. Returns (loss to backprop, LM cross-entropy, aux dict).
 
-    A model may return (logits, loss, aux) where aux maps names to already-weighted auxiliary
-    losses (e.g. an MoE load-balancing loss); they are added to the loss and logged by name.
+    With MoE FFNs the model's loss already includes its routers' weighted aux losses in training mode
+    (LoopedLM.forward); aux holds them by name for the log, and the cross-entropy is the loss without them.
     """
-    out = model(x, y)
-    ce, aux = out[1], (out[2] if len(out) > 2 and out[2] else {})
-    return ce + sum(aux.values()) if aux else ce, ce, aux
+    _, loss = model(x, y)
+    raw = _unwrap(model)
+    aux = raw.moe_aux_losses() if raw.training else {}
+    return loss, (loss - sum(aux.values()) if aux else loss), aux
 
 
 def _dist() -> tuple[int, int]:
@@ -492,6 +500,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                 row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn,
                            tok_per_s=tokens_per_step / dt, step_s=dt)
                 row.update({k: v.item() for k, v in zip(aux_sum, stats[2:])})
+                row.update(raw.moe_load_entropy())  # MoE: per-layer expert-load entropy, last micro-batch of rank 0
                 if peak:
                     row["mfu"] = 3 * flops * tokens_per_step / dt / (peak * world)
                 if extra:
