@@ -2,6 +2,7 @@
 
     python -m minimal_asymloop.bench attention   # joint attention paths vs causal SDPA
     python -m minimal_asymloop.bench moe         # MoE FFN (expert loop) vs dense SwiGLU, layer and model
+    python -m minimal_asymloop.bench generate    # KV-cached vs uncached generation, cache memory
     python -m minimal_asymloop.bench alrs        # one ALRS allocation vs 100 training steps
 """
 
@@ -21,6 +22,7 @@ from minimal_asymloop.model import (
     joint_attention,
     joint_attention_masked,
     joint_attention_reference,
+    kv_cache_bytes,
 )
 
 
@@ -98,6 +100,36 @@ def bench_moe(args):
     for name, (dense, moe) in rows.items():
         t_dense, t_moe = timeit(dense, device), timeit(moe, device)
         print(f"{name:<24} {t_dense * 1e3:>10.1f} {t_moe * 1e3:>10.1f} {t_moe / t_dense:>10.2f}")
+
+
+def bench_generate(args):
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"generation, {args.size} model (random weights), batch {args.batch}, prompt {args.prompt_len} + "
+          f"{args.new_tokens} new tokens, greedy, {device} float32, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{'arch':<10} {'K':>2} {'cached tok/s':>13} {'uncached tok/s':>15} {'speedup':>8}  same tokens")
+    for arch, k in [("dense", 1), ("full_loop", 2), ("asymloop", 3)]:
+        torch.manual_seed(0)
+        model = LoopedLM(ModelConfig.from_preset(args.size, arch, n_iter=k)).to(device).eval()
+        prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len), device=device)
+        out, tps = {}, {}
+        for use_cache in (True, False):
+            model.generate(prompt, 4, temperature=0, use_cache=use_cache)  # warmup
+            sync()
+            t0 = time.perf_counter()
+            out[use_cache] = model.generate(prompt, args.new_tokens, temperature=0, use_cache=use_cache)
+            sync()
+            tps[use_cache] = args.batch * args.new_tokens / (time.perf_counter() - t0)
+        print(f"{arch:<10} {k:>2} {tps[True]:>13.1f} {tps[False]:>15.1f} {tps[True] / tps[False]:>7.2f}x  "
+              f"{'yes' if torch.equal(out[True], out[False]) else 'NO'}")
+    print("\nKV cache memory, 60m, seq 1024, batch 1, bf16 (kv_cache_bytes):")
+    dense = kv_cache_bytes(ModelConfig.from_preset("60m", "dense"), 1024, 1, torch.bfloat16)
+    for arch, k in [("dense", 1), ("full_loop", 2), ("asymloop", 3), ("full_loop", 3), ("asymloop", 5)]:
+        cfg = ModelConfig.from_preset("60m", arch, n_iter=k)
+        b = kv_cache_bytes(cfg, 1024, 1, torch.bfloat16)
+        print(f"{arch:<10} K={k}  eff. depth {cfg.effective_depth:>2}  {b / 2**20:6.1f} MiB  {b / dense:.2f}x dense")
 
 
 def bench_alrs(args):
@@ -180,6 +212,13 @@ def main(argv=None):
     m.add_argument("--arch", default="asymloop")
     m.add_argument("--batch", type=int, default=8)
     m.add_argument("--seq", type=int, default=128)
+    g = sub.add_parser("generate", help="KV-cached vs uncached generation tokens/s, and KV cache memory")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--size", default="tiny")
+    g.add_argument("--batch", type=int, default=1)
+    g.add_argument("--prompt-len", type=int, default=32)
+    g.add_argument("--new-tokens", type=int, default=128)
+    g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     r = sub.add_parser("alrs", help="one ALRS allocation vs 100 training steps")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     r.add_argument("--size", default="60m")
@@ -191,7 +230,7 @@ def main(argv=None):
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     r.add_argument("--no-ww-analyze", dest="ww_analyze", action="store_false", help="skip the weightwatcher reference")
     args = p.parse_args(argv)
-    {"attention": bench_attention, "moe": bench_moe, "alrs": bench_alrs}[args.what](args)
+    {"attention": bench_attention, "moe": bench_moe, "generate": bench_generate, "alrs": bench_alrs}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -244,6 +244,15 @@ def causal_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def attention_after_prefix(q, sources):
+    """Decoding: the n queries sit at the last n of T positions; each source (K, V), each
+    (B, H, T, hd), shows key j to query i iff j <= T-n+i, all sources under ONE softmax."""
+    n, t = q.size(-2), sources[0][0].size(-2)
+    mask = None if n == 1 else torch.ones(n, t, dtype=torch.bool, device=q.device).tril(t - n).repeat(1, len(sources))
+    k, v = torch.cat([k for k, _ in sources], dim=-2), torch.cat([v for _, v in sources], dim=-2)  # (B, H, T·S, hd)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 # ----------------------------------------------------------------------------- joint attention
 
 
@@ -351,17 +360,22 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         return x.view(b, n, self.n_head, -1).transpose(1, 2)
 
-    def global_kv(self, h_norm, rope):
+    def global_kv(self, h_norm, rope, start: int = 0):
         """This layer's Global KV from the normed encoder output: QKNorm + RoPE once, reused by every iteration."""
-        k = rope(self.k_glob_norm(self.heads(self.wk_glob(h_norm))))
+        k = rope(self.k_glob_norm(self.heads(self.wk_glob(h_norm))), start)
         return k, self.heads(self.wv_glob(h_norm))
 
-    def forward(self, x, rope, kv_glob=None):
-        q = rope(self.q_norm(self.heads(self.wq(x))))  # (B, H, N, hd)
+    def forward(self, x, rope, kv_glob=None, cache=None, start: int = 0):
+        q = rope(self.q_norm(self.heads(self.wq(x))), start)  # (B, H, N, hd) at positions start..start+N-1
         if self.has_local:
-            k = rope(self.k_norm(self.heads(self.wk(x))))
+            k = rope(self.k_norm(self.heads(self.wk(x))), start)
             v = self.heads(self.wv(x))
-        if kv_glob is None:
+            if cache is not None:  # generation: append this call's keys to the earlier tokens' keys
+                k, v = cache.append(k, v)  # (B, H, start+N, hd)
+        if start:  # queries after a cached prefix: no is_causal / joint mask, they assume start 0
+            sources = ([kv_glob] if kv_glob is not None else []) + ([(k, v)] if self.has_local else [])
+            y = attention_after_prefix(q, sources)
+        elif kv_glob is None:
             y = causal_attention(q, k, v)  # dense, full_loop, encoder, or decoder without Global KV
         elif not self.has_local:
             y = causal_attention(q, *kv_glob)  # "without Local KV" ablation
@@ -386,11 +400,11 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.moe_experts else SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x, rope, kv_glob=None):
+    def forward(self, x, rope, kv_glob=None, cache=None, start: int = 0):
         if self.norm_on_output:  # OLMo-2
-            x = x + self.attn_norm(self.attn(x, rope, kv_glob))
+            x = x + self.attn_norm(self.attn(x, rope, kv_glob, cache, start))
             return x + self.mlp_norm(self.mlp(x))
-        x = x + self.attn(self.attn_norm(x), rope, kv_glob)
+        x = x + self.attn(self.attn_norm(x), rope, kv_glob, cache, start)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -433,46 +447,55 @@ class LoopedLM(nn.Module):
                 nn.init.normal_(p, 0.0, std)
         self.rope.reset_parameters()
 
-    def global_kv(self, h):
+    def global_kv(self, h, start: int = 0, cache=None):
         """Per decoder layer (K_glob, V_glob) from the encoder output H, computed once per forward."""
         h_norm = self.enc_norm(h)
-        return [blk.attn.global_kv(h_norm, self.rope) for blk in self.decoder]
+        kv = [blk.attn.global_kv(h_norm, self.rope, start) for blk in self.decoder]
+        if cache is not None:  # generation: appended once per new token, shared by all K iterations
+            kv = [cache.layer("global", i).append(*kv_i) for i, kv_i in enumerate(kv)]
+        return kv
 
-    def states(self, idx, n_iter: int | None = None) -> list[torch.Tensor]:
+    def states(self, idx, n_iter: int | None = None, cache=None) -> list[torch.Tensor]:
         """Residual states [z_1, ..., z_K] after each iteration (one entry for dense).
 
         z_k does not depend on the total K, so one call at the largest K gives every
         smaller K's state: the per-iteration logit lens is `model.logits(z_k)`.
+        With a KVCache, idx holds only the tokens after those already cached.
         """
         cfg, n_iter = self.config, n_iter or self.config.n_iter
         if n_iter < 1:
             raise ValueError(f"n_iter must be >= 1, got {n_iter}")
-        if idx.size(1) > cfg.max_seq_len:
-            raise ValueError(f"sequence length {idx.size(1)} exceeds max_seq_len={cfg.max_seq_len}; "
+        start = 0 if cache is None else cache.pos  # position of idx[:, 0]
+        if start + idx.size(1) > cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + idx.size(1)} exceeds max_seq_len={cfg.max_seq_len}; "
                              f"shorten the input or build the model with a larger max_seq_len")
+        if cache is not None:
+            cache.advance(idx.size(1), n_iter)
+        lc = (lambda *key: None) if cache is None else cache.layer  # this call's per-layer KV cache
         x = self.embed(idx)  # (B, N, d)
         if cfg.arch == "dense":
-            for blk in self.blocks:
-                x = blk(x, self.rope)
+            for i, blk in enumerate(self.blocks):
+                x = blk(x, self.rope, cache=lc("block", 0, i), start=start)
             return [x]
         if cfg.arch == "full_loop":  # z_0 = embed(x), z_k = Stack(z_{k-1})
             out = []
-            for _ in range(n_iter):
-                for blk in self.blocks:
-                    x = blk(x, self.rope)
+            for k in range(n_iter):
+                for i, blk in enumerate(self.blocks):
+                    x = blk(x, self.rope, cache=lc("block", k, i), start=start)
                 out.append(x)
             return out
-        for blk in self.encoder:  # H = Enc(embed(x)), run once
-            x = blk(x, self.rope)
+        for i, blk in enumerate(self.encoder):  # H = Enc(embed(x)), run once
+            x = blk(x, self.rope, cache=lc("enc", i), start=start)
         h = x
-        kv = self.global_kv(h) if cfg.context == "global_kv" else [None] * cfg.n_dec
+        kv = self.global_kv(h, start, cache) if cfg.context == "global_kv" else [None] * cfg.n_dec
         z = torch.zeros_like(h) if cfg.context == "additive" else h  # z_0
         out = []
-        for _ in range(n_iter):  # z_k = Dec(z_{k-1}), decoder weights shared across k
+        for k in range(n_iter):  # z_k = Dec(z_{k-1}), decoder weights shared across k
             if cfg.context == "additive":
                 z = z + h  # additive injection: z_k = Dec(z_{k-1} + H)
-            for blk, kv_l in zip(self.decoder, kv):
-                z = blk(z, self.rope, kv_l)
+            for i, (blk, kv_l) in enumerate(zip(self.decoder, kv)):
+                # Local KV per (iteration, layer): the decoder state differs at each iteration
+                z = blk(z, self.rope, kv_l, lc("local", k, i), start)
             out.append(z)
         return out
 
@@ -520,6 +543,81 @@ class LoopedLM(nn.Module):
                 out[f"moe_load_entropy/{name.removesuffix('.mlp')}"] = torch.special.entr(share).sum().item()
         return out
 
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 n_iter: int | None = None, use_cache: bool = True):
+        """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy.
+
+        With the cache, the prompt runs in one forward pass (prefill), then each step runs
+        only the newest token. n_iter may differ from the trained K (test-time depth).
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(f"idx must be a (batch, length>=1) tensor of token ids, got shape {tuple(idx.shape)}")
+        window = self.config.max_seq_len
+        cache = KVCache() if use_cache else None
+        for _ in range(max_new_tokens):
+            if idx.size(1) > window:  # (ours) past max_seq_len the window slides, like nanoGPT; the
+                cache = None  # cached keys sit at the wrong RoPE positions, so recompute from here on
+            new = idx[:, -window:] if cache is None else idx[:, cache.pos:]  # cached: the prompt, then one token
+            logits = self.logits(self.states(new, n_iter, cache)[-1][:, -1]).float()  # (B, V)
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_id = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
+            idx = torch.cat([idx, next_id], dim=1)
+        return idx
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+class LayerKV:
+    """One attention layer's keys and values for the tokens so far, each (B, H, T, hd)."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def append(self, k, v):
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
+        self.k, self.v = k, v
+        return k, v
+
+
+class KVCache:
+    """Everything generation keeps between steps, one LayerKV per attention call per token:
+    dense / full loop: ("block", k, l), so K·L for full loop; asymloop: ("enc", l) for the
+    encoder, ("global", l) per decoder layer shared by all iterations, and ("local", k, l)
+    per iteration (E + D + K·D; layers without Local KV leave theirs empty)."""
+
+    def __init__(self):
+        self.pos = 0  # tokens cached so far = position of the next one
+        self.n_iter = None  # the depth K it was filled at
+        self.layers: dict[tuple, LayerKV] = {}
+
+    def advance(self, n: int, n_iter: int):
+        if self.pos and n_iter != self.n_iter:  # iterations it never ran have no Local KV for earlier tokens
+            raise ValueError(f"this KVCache was filled at n_iter={self.n_iter}, not {n_iter}; keep the depth or start a new KVCache")
+        self.pos, self.n_iter = self.pos + n, n_iter
+
+    def layer(self, *key) -> LayerKV:
+        if key not in self.layers:
+            self.layers[key] = LayerKV()
+        return self.layers[key]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for c in self.layers.values() if c.k is not None for t in (c.k, c.v))
+
 
 # ----------------------------------------------------------------------------- counting
 
@@ -556,6 +654,17 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
     head = 2 * d * cfg.vocab_size
     total = blocks + head + glob_proj + glob_attn
     return dict(total=total, blocks=blocks, head=head, global_kv_proj=glob_proj, global_attn=glob_attn)
+
+
+def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype=torch.bfloat16, n_iter: int | None = None) -> int:
+    """Bytes of the KV cache for batch sequences of seq_len tokens: K and V, (B, T, d) each,
+    per cached attention call (see KVCache). AsymLoop caches E + D·[Global KV] + K·D·[Local KV]."""
+    k = n_iter or cfg.n_iter
+    if cfg.arch == "asymloop":
+        n_caches = cfg.n_enc + cfg.n_dec * (cfg.context == "global_kv") + k * cfg.n_dec * cfg.local_kv
+    else:
+        n_caches = cfg.n_layer * (k if cfg.arch == "full_loop" else 1)
+    return n_caches * 2 * batch * seq_len * cfg.d_model * torch.empty((), dtype=dtype).element_size()
 
 
 def sizes_table(seq_len: int = 1024) -> str:
