@@ -48,8 +48,9 @@ def eigenvalues(weight: torch.Tensor, dtype=torch.float32) -> np.ndarray:
 def hill_median_alpha(eigenvalues) -> float:
     """Hill estimator with xmin at the median eigenvalue, as the reference code does it:
     alpha = 1 + n / (Σ_{λ≥xmin} ln λ − n·ln xmin) over the n eigenvalues from index N//2 up."""
-    e = torch.as_tensor(eigenvalues).detach().cpu().double().numpy() if isinstance(eigenvalues, torch.Tensor) \
-        else np.asarray(eigenvalues, dtype=np.float64)
+    if isinstance(eigenvalues, torch.Tensor):
+        eigenvalues = eigenvalues.detach().cpu().double().numpy()
+    e = np.asarray(eigenvalues, dtype=np.float64)
     e = np.sort(e[e > EVALS_THRESH])
     if len(e) < 2:
         raise ValueError(f"hill_median_alpha needs at least 2 eigenvalues above {EVALS_THRESH}, got {len(e)}")
