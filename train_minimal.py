@@ -21,7 +21,7 @@ from dataclasses import MISSING, fields
 from minimal_asymloop.checkpoint import CheckpointError
 from minimal_asymloop.data import DataError
 from minimal_asymloop.model import ARCHS, PAPER_MOE, PRESETS, ModelConfig
-from minimal_asymloop.trainer import ConfigError, NonFiniteLossError, TrainConfig, train
+from minimal_asymloop.trainer import ConfigError, DistributedError, NonFiniteLossError, TrainConfig, train
 
 
 def _parse_bool(s: str) -> bool:
@@ -86,7 +86,7 @@ def main(argv=None):
         p.error(str(e))
     try:
         train(model_cfg, train_cfg)
-    except (ConfigError, DataError, CheckpointError, NonFiniteLossError) as e:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLossError, DistributedError) as e:
         sys.exit(f"error: {e}")
 
 
