@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
             kw = dict(nargs="?", const=True) if f.type is bool else {}  # `--compile` alone means true
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_field_parser(f), default=argparse.SUPPRESS,
                                metavar=f.name.upper(), help=f"(class default {default!r}; the --size preset may set it)", **kw)
+    alrs = p.add_argument_group("ALRS shortcuts")
+    alrs.add_argument("--no-alrs", dest="alrs", action="store_false", default=argparse.SUPPRESS, help="one LR for all matrices")
+    alrs.add_argument("--alrs-range", nargs=2, type=float, metavar=("LO", "HI"), default=argparse.SUPPRESS,
+                      help="ALRS multiplier range (default 1 5); sets --alrs-lo and --alrs-hi")
     return p
 
 
@@ -75,6 +79,8 @@ def main(argv=None):
         p.error(f"unknown option {bad[0]!r}" + (f"; did you mean {hint[0]}?" if hint else "") + " (--help lists every option)")
     given = vars(args)
     size, arch, moe = given.pop("size"), given.pop("arch"), given.pop("moe")
+    if "alrs_range" in given:
+        given["alrs_lo"], given["alrs_hi"] = given.pop("alrs_range")
     model_names = {f.name for f in fields(ModelConfig)}
     try:
         model_over = {k: v for k, v in given.items() if k in model_names}

@@ -3,11 +3,13 @@
     python -m minimal_asymloop.bench attention   # joint attention paths vs causal SDPA
     python -m minimal_asymloop.bench moe         # MoE FFN (expert loop) vs dense SwiGLU, layer and model
     python -m minimal_asymloop.bench generate    # KV-cached vs uncached generation, cache memory
+    python -m minimal_asymloop.bench alrs        # one ALRS allocation vs 100 training steps
 """
 
 import argparse
 import time
 
+import numpy as np
 import torch
 
 from minimal_asymloop.model import (
@@ -130,6 +132,74 @@ def bench_generate(args):
         print(f"{arch:<10} K={k}  eff. depth {cfg.effective_depth:>2}  {b / 2**20:6.1f} MiB  {b / dense:.2f}x dense")
 
 
+def bench_alrs(args):
+    """One ALRS allocation (eigenvalues, then each fit) for a preset, next to weightwatcher's
+    analyze() and to 100 training steps estimated from a measured forward+backward.
+    Prints wall and process CPU seconds: on a shared machine CPU time is the steadier figure."""
+    import warnings
+
+    from minimal_asymloop import alrs
+    from minimal_asymloop.model import count_params
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def clock(fn):  # (wall s, CPU s) of one call
+        sync()
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        sync()
+        return time.perf_counter() - w, time.process_time() - c
+
+    cfg = ModelConfig.from_preset(args.size, args.arch, max_seq_len=args.seq)
+    torch.manual_seed(0)
+    model = LoopedLM(cfg).to(device)
+    mats = alrs.tuned_matrices(model)
+    print(f"ALRS allocation, {args.size} {args.arch} (K={cfg.n_iter}, {count_params(cfg) / 1e6:.1f}M params), "
+          f"{len(mats)} tuned matrices, {device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("  figures are (wall s / process CPU s)")
+    t = clock(alrs._weightwatcher)
+    print(f"  weightwatcher import, once per process: {t[0]:.1f} / {t[1]:.1f}")
+    alrs.eigenvalues(mats["head.weight"])  # warm up the solver (CUDA handles, MKL threads)
+    evals = {}
+    t_eig = np.sum([clock(lambda n=n, w=w: evals.__setitem__(n, alrs.eigenvalues(w))) for n, w in mats.items()], axis=0)
+    t_fit = {fit: clock(lambda fn=fn: [fn(e) for e in evals.values()]) for fit, fn in alrs.FIT_FNS.items()}
+    print(f"  eigenvalues (torch.linalg.svdvals, float32, {device}): {t_eig[0]:.2f} / {t_eig[1]:.2f}")
+    for fit, t in t_fit.items():
+        print(f"  fit {fit:<12} (CPU): {t[0]:.2f} / {t[1]:.2f}   -> allocation: {t_eig[0] + t[0]:.2f} / {t_eig[1] + t[1]:.2f}")
+    if args.ww_analyze:
+        cpu_state = {k: v.detach().cpu() for k, v in mats.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = clock(lambda: alrs._weightwatcher().WeightWatcher().analyze(cpu_state, plot=False))
+        print(f"  for reference, weightwatcher analyze() of the same matrices: {t[0]:.2f} / {t[1]:.2f}")
+
+    # one training step = forward+backward over tokens_per_step tokens; we time a (batch, seq)
+    # micro-batch and scale by tokens (optimizer step and communication not included)
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
+    amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def fwd_bwd():
+        with amp:
+            _, loss = model(idx, idx)
+        loss.backward()
+
+    fwd_bwd()  # warm-up
+    t_mb = np.median([clock(fwd_bwd) for _ in range(args.repeats)], axis=0)
+    scale = args.tokens_per_step / (args.batch * args.seq)
+    print(f"  forward+backward of {args.batch}x{args.seq} tokens: {t_mb[0]:.2f} / {t_mb[1]:.2f}; one step of "
+          f"{args.tokens_per_step} tokens ~ {t_mb[0] * scale:.1f} / {t_mb[1] * scale:.1f} on this device")
+    for fit, t in t_fit.items():
+        frac = (t_eig + t) / (100 * t_mb * scale)
+        print(f"  allocation ({fit}) / 100 steps: {100 * frac[0]:.2g}% / {100 * frac[1]:.2g}%   (allocations run in the "
+              f"first 20% only: {20 * frac[0]:.2g}% / {20 * frac[1]:.2g}% of training)")
+    if device.type == "cuda" and args.size == "60m" and args.arch == "asymloop":  # the paper: 0.216 s/step on 8xH100
+        for fit, t in t_fit.items():
+            print(f"  vs the paper's 8xH100 step (0.216 s): allocation ({fit}, wall) / 100 steps = {(t_eig[0] + t[0]) / 21.6:.1%}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -149,8 +219,18 @@ def main(argv=None):
     g.add_argument("--prompt-len", type=int, default=32)
     g.add_argument("--new-tokens", type=int, default=128)
     g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    r = sub.add_parser("alrs", help="one ALRS allocation vs 100 training steps")
+    r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    r.add_argument("--size", default="60m")
+    r.add_argument("--arch", default="asymloop")
+    r.add_argument("--batch", type=int, default=1, help="micro-batch timed for the step estimate")
+    r.add_argument("--seq", type=int, default=1024)
+    r.add_argument("--tokens-per-step", type=int, default=512 * 1024, help="the paper: 512 sequences of 1024")
+    r.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes (median)")
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    r.add_argument("--no-ww-analyze", dest="ww_analyze", action="store_false", help="skip the weightwatcher reference")
     args = p.parse_args(argv)
-    {"attention": bench_attention, "moe": bench_moe, "generate": bench_generate}[args.what](args)
+    {"attention": bench_attention, "moe": bench_moe, "generate": bench_generate, "alrs": bench_alrs}[args.what](args)
 
 
 if __name__ == "__main__":

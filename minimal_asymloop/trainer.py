@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from minimal_asymloop import alrs
 from minimal_asymloop import checkpoint as ckpt
 from minimal_asymloop.data import SHARD_TOKENS, BatchSampler, Tokens, eval_windows, prepare
 from minimal_asymloop.model import LoopedLM, ModelConfig, count_params, flops_per_token
@@ -90,6 +91,14 @@ class TrainConfig:
     quiet: bool = False  # no prints, no progress bar (notebooks)
     ddp_timeout_s: int = 600  # a rank that dies makes the others fail after this, never hang (ours)
     skip_nonfinite: bool = False  # skip a step whose loss or gradient is inf/NaN (counted, logged) instead of stopping
+    # ALRS layerwise learning rates (DESIGN.md §4, alrs.py); --no-alrs and --alrs-range LO HI also work
+    alrs: bool | None = None  # None -> on for asymloop, off for dense and full_loop (as in the paper)
+    alrs_fit: str = "ww"  # ww: weightwatcher's fit (xmin by KS distance) | hill_median: the reference code's
+    alrs_lo: float = 1.0  # multipliers run from lo (smallest alpha) to hi (largest alpha)
+    alrs_hi: float = 5.0
+    alrs_every: int = 100  # steps between allocations
+    alrs_phase: float = 0.2  # allocate while step <= phase * total steps, then freeze
+    alrs_ramp: int = 50  # steps of linear transition to each new allocation
 
     def __post_init__(self):
         for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "ddp_timeout_s"):
@@ -105,6 +114,8 @@ class TrainConfig:
             raise ConfigError(f"unknown tokenizer {self.tokenizer!r}; choose one of bpe, t5")
         if self.max_steps is None and self.tokens is None:
             raise ConfigError("no training budget: set --max-steps or --tokens")
+        if self.alrs is not False:
+            make_alrs(self, "asymloop")  # checks the ALRS settings now, with a clear error
 
     def total_steps(self) -> int:
         return self.max_steps or math.ceil(self.tokens / (self.global_batch * self.seq_len))
@@ -143,6 +154,16 @@ NAN_ENV = "MINIMAL_ASYMLOOP_NAN_STEPS"  # test hook: comma-separated steps (1-ba
 
 
 # ----------------------------------------------------------------------------- optimizer and schedule
+
+
+def make_alrs(cfg: TrainConfig, arch: str) -> alrs.ALRS | None:
+    """The ALRS lr_hook for this run, or None: on by default for asymloop only (DESIGN.md §4)."""
+    if not (cfg.alrs if cfg.alrs is not None else arch == "asymloop"):
+        return None
+    try:
+        return alrs.ALRS(cfg.total_steps(), cfg.alrs_fit, cfg.alrs_lo, cfg.alrs_hi, cfg.alrs_every, cfg.alrs_phase, cfg.alrs_ramp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, per_matrix: bool = False) -> list[dict]:
@@ -368,7 +389,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
     lr_hook (optional, for ALRS): an object with `on_step(step, model, optimizer) -> dict | None`
     (called before each step's LR is set; may change group["lr_mult"]; a returned dict is logged
     with that step), `state_dict()` / `load_state_dict(d)` (checkpointed), and `per_matrix`
-    (True: one optimizer group per matrix).
+    (True: one optimizer group per matrix). None: ALRS as `cfg.alrs` says (make_alrs).
     """
     rank, world, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     master = rank == 0
@@ -395,6 +416,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
 
     torch.manual_seed(cfg.seed)
     model = LoopedLM(model_cfg).to(device)
+    if lr_hook is None:
+        lr_hook = make_alrs(cfg, model_cfg.arch)
     per_matrix = bool(getattr(lr_hook, "per_matrix", False))
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay, per_matrix), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
@@ -445,6 +468,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
     say(f"{tokens_per_step:,} tokens/step (global batch {cfg.global_batch} = micro {micro} x accum {accum} x world {world}), "
         f"{total} steps = {total * tokens_per_step / 1e6:.1f}M tokens ({total * tokens_per_step / n_params:.2f} tokens/param); "
         f"{device} {str(dtype).removeprefix('torch.')}{' compiled' if cfg.compile else ''}")
+    if isinstance(lr_hook, alrs.ALRS):
+        say(lr_hook.describe(raw))
     say(f"data: {data.meta['n_train_tokens']:,} train / {data.meta['n_val_tokens']:,} val tokens; "
         f"val unigram entropy {data.unigram_entropy:.3f} nats/token (the loss of the best context-free model)")
 
@@ -555,6 +580,9 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
         result["history"] = read_metrics(out_dir)
         if result["history"]:
             result["plot"] = str(plot_metrics(out_dir, data.unigram_entropy))
+        if isinstance(lr_hook, alrs.ALRS) and (rep := alrs.report(out_dir, result["history"], lr_hook.ramp_len, done)):
+            result["alrs_plot"] = rep[0]
+            say(rep[1])
         if val_loss is not None:
             say(f"final val loss {val_loss:.4f} nats/token (ppl {math.exp(val_loss):.1f}) vs unigram entropy "
                 f"{data.unigram_entropy:.3f} after {done} steps, {result['seconds']:.0f}s; checkpoints and loss.png in {out_dir}")
