@@ -145,7 +145,7 @@ def iter_documents(source: str, ident: dict):
         return
     import datasets
 
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a failure becomes our one-line DataError, not a log dump
     try:
         if ident["kind"] == "fineweb-edu":
             require_hub(f"--data {source}")
