@@ -127,7 +127,7 @@ def test_kill9_sigterm_sigint_then_resume_equals_an_uninterrupted_run(data_cache
     for sig in (signal.SIGTERM, signal.SIGINT):
         log = tmp_path / sig.name
         p = _start(resume, log, slow)
-        s = _wait_for(lambda: _writing(run, p.pid), p, log)
+        s = _wait_for(lambda pid=p.pid: _writing(run, pid), p, log)
         p.send_signal(sig)
         assert _finish(p, log) == 0, _tail(log)
         assert f"stopped by {sig.name} at step {s + 1}; checkpoint written, continue with --resume" in log.with_suffix(".out").read_text()
