@@ -194,7 +194,7 @@ def load_state(path) -> dict:
     try:
         return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle opcode, forbidden global: all mean "corrupt"
-        if "Weights only load failed" in str(e):  # a pickled call (code) that weights_only refused to run
+        if "Unsupported global" in str(e):  # a pickled call (code) that weights_only refused to run
             raise CheckpointError(f"refused to load {ckpt}/state.pt: it contains pickled code, which is never run (it may be "
                                   f"malicious or not written by this trainer); resume from a checkpoint you trust") from None
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: state.pt cannot be loaded ({type(e).__name__}: "
