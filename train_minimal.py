@@ -14,6 +14,7 @@ overridden, e.g. `--d-model 256 --lr 3e-4 --qk-norm false --max-steps 100`. Unkn
 
 import argparse
 import difflib
+import math
 import sys
 import types
 from dataclasses import MISSING, fields
@@ -21,7 +22,7 @@ from dataclasses import MISSING, fields
 from minimal_asymloop.checkpoint import CheckpointError
 from minimal_asymloop.data import DataError
 from minimal_asymloop.model import ARCHS, PAPER_MOE, PRESETS, ModelConfig
-from minimal_asymloop.trainer import ConfigError, NonFiniteLossError, TrainConfig, train
+from minimal_asymloop.trainer import ConfigError, DistributedError, NonFiniteLossError, TrainConfig, train
 
 
 def _parse_bool(s: str) -> bool:
@@ -33,16 +34,26 @@ def _parse_bool(s: str) -> bool:
 
 
 def _parse_int(s: str) -> int:
-    v = float(s)  # accepts 1.68e9 for --tokens
+    try:
+        v = float(s)  # accepts 1.68e9 for --tokens
+    except ValueError:
+        v = math.nan
     if not v.is_integer():
         raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}")
     return int(v)
 
 
+def _parse_float(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+
+
 def _field_parser(f):
     """argparse type for a dataclass field, from its annotation (`int | None` accepts 'none')."""
     kinds = [t for t in (f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)) if t is not type(None)]
-    base = {bool: _parse_bool, int: _parse_int, float: float, str: str}[kinds[0]]
+    base = {bool: _parse_bool, int: _parse_int, float: _parse_float, str: str}[kinds[0]]
     optional = isinstance(f.type, types.UnionType)
     return lambda s: None if optional and s.lower() in ("none", "null") else base(s)
 
@@ -92,7 +103,7 @@ def main(argv=None):
         p.error(str(e))
     try:
         train(model_cfg, train_cfg)
-    except (ConfigError, DataError, CheckpointError, NonFiniteLossError) as e:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLossError, DistributedError) as e:
         sys.exit(f"error: {e}")
 
 

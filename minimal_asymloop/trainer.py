@@ -35,6 +35,22 @@ class NonFiniteLossError(RuntimeError):
     """The loss or gradient became inf/NaN; the run stopped before applying that update."""
 
 
+class DistributedError(RuntimeError):
+    """DDP: another rank died or hung (a collective failed or passed ddp_timeout_s); the message says what to do."""
+
+
+def _lost_ranks(e: RuntimeError, rank: int, step: int, cfg: "TrainConfig") -> DistributedError | None:
+    """A one-line DistributedError for a failed collective (gloo/NCCL), or None for any other RuntimeError."""
+    text = " ".join(str(e).split())
+    comm = ("gloo", "NCCL", "Timed out", "Connection reset", "Connection closed")
+    if not (isinstance(e, dist.DistError) or any(k in text for k in comm)):
+        return None
+    why = next((k.lower() for k in ("Timed out", "Connection reset by peer", "Connection closed by peer") if k in text), text[:120])
+    return DistributedError(f"rank {rank} lost contact with the other ranks at step {step} ({why}): one of them died or hung, see its "
+                            f"log; the last checkpoint is {Path(cfg.out_dir) / 'latest'}, continue with --resume "
+                            f"(--ddp-timeout-s, now {cfg.ddp_timeout_s}, bounds the wait)")
+
+
 # ----------------------------------------------------------------------------- config and presets
 
 
@@ -74,6 +90,7 @@ class TrainConfig:
     resume: bool = False
     quiet: bool = False  # no prints, no progress bar (notebooks)
     ddp_timeout_s: int = 600  # a rank that dies makes the others fail after this, never hang (ours)
+    skip_nonfinite: bool = False  # skip a step whose loss or gradient is inf/NaN (counted, logged) instead of stopping
     # ALRS layerwise learning rates (DESIGN.md §4, alrs.py); --no-alrs and --alrs-range LO HI also work
     alrs: bool | None = None  # None -> on for asymloop, off for dense and full_loop (as in the paper)
     alrs_fit: str = "ww"  # ww: weightwatcher's fit (xmin by KS distance) | hill_median: the reference code's
@@ -132,7 +149,8 @@ TRAIN_PRESETS = {
 }
 # settings that may change on --resume without changing the result (or only its speed)
 RESUME_MAY_CHANGE = {"out_dir", "device", "compile", "stop_step", "quiet", "resume", "eval_interval", "eval_batches",
-                     "micro_batch", "ddp_timeout_s", "data_cache"}
+                     "micro_batch", "ddp_timeout_s", "data_cache", "skip_nonfinite"}
+NAN_ENV = "MINIMAL_ASYMLOOP_NAN_STEPS"  # test hook: comma-separated steps (1-based) whose loss is made NaN
 
 
 # ----------------------------------------------------------------------------- optimizer and schedule
@@ -335,6 +353,21 @@ def _data_for(model_cfg: ModelConfig, cfg: TrainConfig, local_rank: int, quiet: 
             time.sleep(2)
 
 
+def check_out_dir(out_dir: Path):
+    """Fail now, not at the first checkpoint hours later, if out_dir cannot be created or written."""
+    probe = out_dir / f".write-test-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write to --out-dir {out_dir} ({e.strerror or e}); choose a writable --out-dir") from None
+
+
+def _nan_steps() -> set[int]:
+    return {int(s) for s in os.environ.get(NAN_ENV, "").split(",") if s.strip()}
+
+
 def _check_resume(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, data_meta: dict):
     diffs = [f"{k}: {v!r} -> {model_cfg.to_dict().get(k)!r}" for k, v in meta["model_config"].items() if model_cfg.to_dict().get(k) != v]
     now = asdict(cfg)
@@ -389,7 +422,9 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay, per_matrix), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
     out_dir = Path(cfg.out_dir)
-    start_step, best_val = 0, math.inf
+    start_step, best_val, skipped = 0, math.inf, 0
+    if master:
+        check_out_dir(out_dir)
     if cfg.resume:
         meta = ckpt.read_meta(out_dir)
         _check_resume(meta, model_cfg, cfg, data.meta)
@@ -406,12 +441,11 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
         torch.set_rng_state(state["rng"]["torch"])
         if device.type == "cuda" and state["rng"].get("cuda"):
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        start_step, best_val = state["step"], state["best_val_loss"]
+        start_step, best_val, skipped = state["step"], state["best_val_loss"], state.get("nonfinite_skipped", 0)
         if master:
             _trim_metrics(out_dir, start_step)
         say(f"resumed from {meta['path']} at step {start_step}")
     elif master:
-        out_dir.mkdir(parents=True, exist_ok=True)
         if (out_dir / "latest").exists():
             say(f"note: starting fresh in {out_dir}; its old checkpoints will be replaced (use --resume to continue them)")
         (out_dir / "metrics.jsonl").write_text("")
@@ -452,11 +486,11 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
             return
         state = dict(step=step, samples_seen=step * cfg.global_batch, optimizer=optimizer.state_dict(), best_val_loss=best_val,
                      rng=dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else []),
-                     lr_hook=lr_hook.state_dict() if lr_hook is not None else None)
+                     lr_hook=lr_hook.state_dict() if lr_hook is not None else None, nonfinite_skipped=skipped)
         ckpt.save_checkpoint(out_dir, raw, state, dict(meta_base, step=step, val_loss=val_loss, best_val_loss=best_val),
                              data.tokenizer, best=best)
 
-    flag, val_loss, done, t_start = {}, None, start_step, time.time()
+    flag, val_loss, done, t_start, nan_steps = {}, None, start_step, time.time(), _nan_steps()
     bar = tqdm(total=total, initial=start_step, disable=not master or cfg.quiet, unit="step", dynamic_ncols=True)
     try:
         with stop_on_signals(flag):
@@ -476,6 +510,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                     with sync:
                         with _autocast(device, dtype):
                             loss, ce, aux = compute_loss(model, x, y)  # (B, T) tokens -> scalar
+                        if step + 1 in nan_steps:  # test hook (NAN_ENV): a NaN loss, and so NaN gradients
+                            loss, ce = loss * math.nan, ce * math.nan
                         (loss / accum).backward()
                     ce_sum += ce.detach() / accum
                     for k, v in aux.items():
@@ -488,11 +524,16 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                     dist.all_reduce(stats)
                     stats /= world  # stats[1] > 0 still means "some rank got a signal"
                 loss_val, stop, gn = stats[0].item(), stats[1].item() > 0, grad_norm.item()
-                if not (math.isfinite(loss_val) and math.isfinite(gn)):
+                finite = math.isfinite(loss_val) and math.isfinite(gn)
+                if not finite and not cfg.skip_nonfinite:
                     raise NonFiniteLossError(f"non-finite {'loss' if not math.isfinite(loss_val) else 'gradient norm'} at step {step + 1} "
                                              f"(loss {loss_val}, grad norm {gn}); stopped before applying it. The last good checkpoint "
-                                             f"is {out_dir / 'latest'}; try a lower --lr or --dtype float32")
-                optimizer.step()
+                                             f"is {out_dir / 'latest'}; try a lower --lr or --dtype float32, or --skip-nonfinite")
+                if finite:
+                    optimizer.step()
+                else:  # --skip-nonfinite: drop this step's update (the LR schedule and data order move on)
+                    skipped += 1
+                    say(f"step {step + 1}: non-finite loss {loss_val} / grad norm {gn}; step skipped ({skipped} skipped so far)")
                 optimizer.zero_grad(set_to_none=True)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -500,6 +541,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                 row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn,
                            tok_per_s=tokens_per_step / dt, step_s=dt)
                 row.update({k: v.item() for k, v in zip(aux_sum, stats[2:])})
+                if skipped:
+                    row["nonfinite_skipped"] = skipped
                 row.update(raw.moe_load_entropy())  # MoE: per-layer expert-load entropy, last micro-batch of rank 0
                 if peak:
                     row["mfu"] = 3 * flops * tokens_per_step / dt / (peak * world)
@@ -522,12 +565,17 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                     say(f"stopped by {flag.get('signal', 'a signal on another rank')} at step {done}; checkpoint written, "
                         f"continue with --resume")
                     break
+    except RuntimeError as e:
+        if world > 1 and (err := _lost_ranks(e, rank, done + 1, cfg)) is not None:
+            raise err from None
+        raise
     finally:
         bar.close()
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
     result = dict(step=done, total_steps=total, val_loss=val_loss, best_val_loss=best_val, unigram_entropy=data.unigram_entropy,
                   interrupted=bool(flag) or done < total, seconds=time.time() - t_start, params=n_params, out_dir=str(out_dir))
+    result["nonfinite_skipped"] = skipped
     if master:
         result["history"] = read_metrics(out_dir)
         if result["history"]:
