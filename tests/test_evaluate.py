@@ -174,6 +174,16 @@ def test_perplexity_command_matches_trainers_final_val_loss(tiny_checkpoint, tmp
     assert f"cross-entropy {final:.4f} nats/token" in capsys.readouterr().out
 
 
+def test_perplexity_matches_with_gradient_accumulation(tiny_configs, tmp_path):
+    """A run with micro-batches smaller than its global batch: the command still scores the trainer's windows."""
+    from minimal_asymloop.trainer import train
+
+    mcfg, tcfg = tiny_configs(micro_batch=4, max_steps=10, eval_interval=10)
+    result = train(mcfg, tcfg)
+    report = run_eval(tcfg.out_dir, tmp_path)
+    assert report["val"]["ce"] == pytest.approx(result["val_loss"], abs=1e-6)
+
+
 def test_n_iter_evaluates_at_another_depth(tiny_checkpoint, tmp_path):
     """--n-iter 5 gives the CE of model(x, n_iter=5) on the same windows, computed here without evaluate_loss."""
     report = run_eval(tiny_checkpoint, tmp_path, "--n-iter", "5")
