@@ -4,10 +4,12 @@
     python -m minimal_asymloop.bench moe         # MoE FFN (expert loop) vs dense SwiGLU, layer and model
     python -m minimal_asymloop.bench generate    # KV-cached vs uncached generation, cache memory
     python -m minimal_asymloop.bench alrs        # one ALRS allocation vs 100 training steps
+    python -m minimal_asymloop.bench train --size tiny   # training step: dense vs full_loop K=2 vs asymloop K=3
 """
 
 import argparse
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from minimal_asymloop.model import (
     MoE,
     SwiGLU,
     causal_attention,
+    flops_per_token,
     joint_attention,
     joint_attention_masked,
     joint_attention_reference,
@@ -200,6 +203,64 @@ def bench_alrs(args):
             print(f"  vs the paper's 8xH100 step (0.216 s): allocation ({fit}, wall) / 100 steps = {(t_eig[0] + t[0]) / 21.6:.1%}")
 
 
+def time_train_step(cfg, batch, seq, device, dtype, args) -> float:
+    """Median seconds of one optimizer step (forward, backward, AdamW) on random tokens."""
+    from minimal_asymloop.trainer import param_groups
+
+    torch.manual_seed(0)
+    model = LoopedLM(cfg).to(device)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    step_model = torch.compile(model) if args.compile else model
+    x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    ctx = torch.autocast(device.type, dtype=dtype) if dtype == torch.bfloat16 else nullcontext()
+
+    def step():
+        with ctx:
+            _, loss = step_model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return timeit(step, device, warmup=args.warmup, min_time=args.min_time, max_iters=args.steps)
+
+
+def bench_train(args):
+    """Timed optimizer steps (forward, backward, AdamW) of the three architectures at one size, side by side."""
+    from minimal_asymloop.trainer import TRAIN_PRESETS, gpu_peak_flops
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    preset = TRAIN_PRESETS[args.size]
+    seq = args.seq or preset["seq_len"]
+    batch = args.batch or preset.get("micro_batch") or preset["global_batch"]
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    peak = gpu_peak_flops(device)
+    print(f"training step, size {args.size}, batch {batch} x seq {seq}, {device} {str(dtype).removeprefix('torch.')}"
+          f"{' compiled' if args.compile else ''}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    mfu_head = f" {'MFU':>6}" if peak else ""
+    print(f"{'arch':<10} {'K':>2} {'depth':>5} {'step ms':>9} {'tokens/s':>10} {'GFLOP/tok':>10} {'TFLOP/s':>8}{mfu_head} "
+          f"{'FLOP-norm. vs dense':>20}")
+    results = {}
+    for arch, k in (("dense", 1), ("full_loop", 2), ("asymloop", 3)):
+        cfg = ModelConfig.from_preset(args.size, arch, n_iter=k)
+        if seq > cfg.max_seq_len:
+            cfg = ModelConfig.from_preset(args.size, arch, n_iter=k, max_seq_len=seq)
+        t = time_train_step(cfg, batch, seq, device, dtype, args)
+        flops = 3 * flops_per_token(cfg, seq)["total"]  # training ~ 3x forward (DESIGN.md §3)
+        results[arch] = (t, flops)
+        ratio = (t / results["dense"][0]) / (flops / results["dense"][1])
+        achieved = flops * batch * seq / t
+        mfu = f" {achieved / peak:>6.1%}" if peak else ""
+        print(f"{arch:<10} {k:>2} {cfg.effective_depth:>5} {t * 1e3:>9.1f} {batch * seq / t:>10,.0f} {flops / 1e9:>10.3f} "
+              f"{achieved / 1e12:>8.3f}{mfu} {ratio:>20.3f}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print("FLOP-normalized ratio = (t_arch / t_dense) / (F_arch / F_dense): 1.0 means looping and joint attention cost "
+          "nothing beyond their arithmetic; target <= 1.15")
+    return results
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -229,8 +290,17 @@ def main(argv=None):
     r.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes (median)")
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     r.add_argument("--no-ww-analyze", dest="ww_analyze", action="store_false", help="skip the weightwatcher reference")
+    t = sub.add_parser("train", help="training step time of dense, full_loop K=2 and asymloop K=3 side by side")
+    t.add_argument("--size", default="tiny", choices=["tiny", "60m", "135m", "350m", "1b"])
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    t.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's micro-batch)")
+    t.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
+    t.add_argument("--compile", action="store_true")
+    t.add_argument("--warmup", type=int, default=2)
+    t.add_argument("--min-time", type=float, default=5.0, help="seconds of timed steps per architecture (at least 3 steps)")
+    t.add_argument("--steps", type=int, default=20, help="at most this many timed steps per architecture")
     args = p.parse_args(argv)
-    {"attention": bench_attention, "moe": bench_moe, "generate": bench_generate, "alrs": bench_alrs}[args.what](args)
+    {"attention": bench_attention, "train": bench_train, "generate": bench_generate, "alrs": bench_alrs, "moe": bench_moe}[args.what](args)
 
 
 if __name__ == "__main__":

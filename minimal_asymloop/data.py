@@ -189,7 +189,8 @@ def load_t5_tokenizer() -> Tokenizer:
 
     cached = try_to_load_from_cache(T5_REPO, "tokenizer.json")
     if not isinstance(cached, str):
-        require_hub(f"the T5 tokenizer ({T5_REPO})", "use --tokenizer bpe (trained locally on the data) or run once online to cache it")
+        require_hub(f"the T5 tokenizer ({T5_REPO})", "use --tokenizer bpe (trained locally on the data; with --data stdlib or "
+                    "--data PATH this works offline) or run once online to cache it")
         cached = hf_hub_download(T5_REPO, "tokenizer.json")
     return Tokenizer.from_file(cached)
 
@@ -339,12 +340,26 @@ def load_prepared(folder) -> Prepared:
 
 def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet):
     """Tokenize the source into a temp folder, then rename it into place (atomic; a crash leaves no half cache)."""
-    t0 = time.time()
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    if ident["kind"] == "fineweb-edu":
+        require_hub(f"--data {source}")  # before anything slow, and before the tokenizer's own check
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    try:
+        _tokenize_into(tmp, source, ident, tok_ident, val_fraction, max_tokens, quiet, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process (a DDP rank on a shared disk) finished first: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tokenize_into(tmp: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet, folder):
+    t0 = time.time()
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     say(f"preparing {source!r} with the {tok_ident['name']} tokenizer into {folder} (once; cached)")
     if tok_ident["name"] == "t5":
         tok = load_t5_tokenizer()
@@ -391,7 +406,6 @@ def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, qui
     for w in writers.values():
         w.flush()
     if not n_docs["val"] or not n_docs["train"]:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(f"{source!r} gave {n_docs['train']} train and {n_docs['val']} val documents at val_fraction={val_fraction}; "
                         f"both splits need documents: add data or raise val_fraction")
     meta = dict(format=DATA_FORMAT, source=source, identity=ident, tokenizer=tok_ident, vocab_size=vocab, eot_id=eot,
@@ -400,10 +414,6 @@ def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, qui
                 n_train_docs=n_docs["train"], n_val_docs=n_docs["val"], unigram_entropy=entropy_nats(writers["val"].counts),
                 prepare_seconds=round(time.time() - t0, 1))
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process (a DDP rank on a shared disk) finished first: use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
     say(f"  {meta['n_train_tokens'] / 1e6:.2f}M train / {meta['n_val_tokens'] / 1e6:.2f}M val tokens from "
         f"{n_docs['train']}+{n_docs['val']} documents in {meta['prepare_seconds']:.0f}s")
 

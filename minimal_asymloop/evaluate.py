@@ -86,7 +86,8 @@ def held_out_tokens(meta: dict, tokenizer, source: str | None, n_tokens: int | N
 
 
 @torch.no_grad()
-def held_out_loss(model, tokens, seq_len: int, batch_size: int, n_batches: int | None, device, dtype) -> dict:
+def held_out_loss(model, tokens, seq_len: int, batch_size: int, n_batches: int | None, device, dtype,
+                  micro_batch: int | None = None) -> dict:
     """Mean CE (nats/token) and perplexity through the trainer's own `evaluate_loss`.
 
     n_batches=None covers the whole split: evaluate_loss spreads its windows evenly, so with
@@ -96,7 +97,7 @@ def held_out_loss(model, tokens, seq_len: int, batch_size: int, n_batches: int |
 
     if n_batches is None:
         n_batches = max(1, (len(tokens) - 1) // seq_len // batch_size)
-    ce = evaluate_loss(model, tokens, seq_len, batch_size, n_batches, device, dtype)
+    ce = evaluate_loss(model, tokens, seq_len, batch_size, n_batches, device, dtype, micro_batch)
     return dict(ce=ce, ppl=math.exp(ce), tokens=n_batches * batch_size * seq_len, seq_len=seq_len,
                 batch_size=batch_size, n_batches=n_batches)
 
@@ -231,7 +232,7 @@ def main(argv=None):
             raise SystemExit(f"error: --n-iter {args.n_iter}: K must be >= 1, and only full_loop/asymloop loop (this is {cfg.arch})")
         cfg.n_iter = args.n_iter  # states() reads K from the config, so the trainer's evaluate_loss runs at this depth
     dtype = getattr(torch, args.dtype)
-    batch = tc.get("micro_batch") or tc["global_batch"]
+    batch, micro = tc["global_batch"], tc.get("micro_batch")  # the trainer's eval windows: batches of global_batch
     n_batches = None if args.eval_batches == "all" else args.eval_batches or tc["eval_batches"]
     n_tokens = None if n_batches is None else n_batches * batch * tc["seq_len"] + 1
     try:
@@ -240,7 +241,7 @@ def main(argv=None):
         raise SystemExit(f"error: {e}") from None
     report = dict(ckpt=meta["path"], step=meta.get("step"), arch=cfg.arch, n_iter=cfg.n_iter, trained_n_iter=meta["model_config"]["n_iter"],
                   data=args.data or meta["data"]["source"], dtype=args.dtype)
-    report["val"] = held_out_loss(model, tokens, tc["seq_len"], batch, n_batches, args.device, dtype)
+    report["val"] = held_out_loss(model, tokens, tc["seq_len"], batch, n_batches, args.device, dtype, micro)
     v = report["val"]
     print(f"{cfg.arch} K={cfg.n_iter} step {report['step']} on {report['data']} (held out, {v['tokens']:,} tokens): "
           f"cross-entropy {v['ce']:.4f} nats/token, perplexity {v['ppl']:.2f}")

@@ -80,7 +80,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     # evaluation and checkpoints (a checkpoint is written at every eval)
     eval_interval: int = 250
-    eval_batches: int = 20  # fixed val batches of micro_batch sequences
+    eval_batches: int = 8  # fixed val batches of global_batch sequences, the same for any micro_batch or world size
     # system
     out_dir: str = "out"
     device: str = "auto"  # auto -> cuda if available, else cpu
@@ -137,8 +137,8 @@ class TrainConfig:
 _PAPER = dict(data="fineweb-edu", tokenizer="t5", seq_len=1024, global_batch=512, lr=1e-3)
 TRAIN_PRESETS = {
     # (ours) sized for a 2-core CPU: data prep + training + evals in <= 5 minutes, see README
-    "tiny": dict(data="stdlib", tokenizer="bpe", seq_len=128, global_batch=32, micro_batch=32, max_steps=150,
-                 lr=3e-3, eval_interval=50, eval_batches=8),
+    "tiny": dict(data="stdlib", tokenizer="bpe", seq_len=128, global_batch=32, max_steps=100,
+                 lr=3e-3, eval_interval=25, eval_batches=4),
     # the paper's settings; micro_batch (ours) fits an 80 GB GPU in bf16, lower it on smaller GPUs
     "60m": dict(_PAPER, tokens=1_680_000_000, micro_batch=32, eval_interval=250),
     "135m": dict(_PAPER, tokens=3_000_000_000, micro_batch=32, eval_interval=250),
@@ -216,20 +216,24 @@ def _dist() -> tuple[int, int]:
 
 @torch.no_grad()
 def evaluate_loss(model, tokens: Tokens, seq_len: int, batch_size: int, n_batches: int, device="cpu",
-                  dtype: torch.dtype = torch.float32) -> float:
-    """Mean cross-entropy (nats/token) over n_batches fixed batches spread evenly over `tokens`.
-    Under DDP each rank takes every world_size-th batch and the sums are all-reduced."""
+                  dtype: torch.dtype = torch.float32, micro_batch: int | None = None) -> float:
+    """Mean cross-entropy (nats/token) over n_batches x batch_size fixed windows spread evenly over `tokens`.
+
+    The windows depend only on (tokens, seq_len, batch_size, n_batches); they are run in chunks of
+    micro_batch, and under DDP each rank takes every world_size-th chunk and the sums are all-reduced.
+    """
     rank, world = _dist()
     starts = eval_windows(tokens, seq_len, n_batches * batch_size)
-    totals = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of losses, batches)
+    chunk = micro_batch or batch_size
+    totals = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of per-window losses, windows)
     was_training = model.training
     model.eval()
-    for b in range(rank, n_batches, world):
-        w = np.stack([tokens.window(int(s), seq_len + 1) for s in starts[b * batch_size:(b + 1) * batch_size]])
+    for c in range(rank, math.ceil(len(starts) / chunk), world):
+        w = np.stack([tokens.window(int(s), seq_len + 1) for s in starts[c * chunk:(c + 1) * chunk]])
         w = torch.from_numpy(w).to(device)  # (B, T+1)
         with _autocast(device, dtype):
             _, ce, _ = compute_loss(model, w[:, :-1], w[:, 1:])
-        totals += torch.stack([ce.double(), torch.ones((), device=device, dtype=torch.float64)])
+        totals += torch.stack([ce.double() * len(w), torch.tensor(float(len(w)), device=device, dtype=torch.float64)])
     model.train(was_training)
     if world > 1:
         dist.all_reduce(totals)
@@ -479,7 +483,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                                vocab_size=data.vocab_size, unigram_entropy=data.unigram_entropy))
 
     def evaluate() -> float:
-        return evaluate_loss(raw, data.val, cfg.seq_len, micro, cfg.eval_batches, device, dtype)  # eager, unwrapped
+        return evaluate_loss(raw, data.val, cfg.seq_len, cfg.global_batch, cfg.eval_batches, device, dtype, micro)  # eager, unwrapped
 
     def save(step: int, val_loss: float | None, best: bool):
         if not master:
