@@ -154,3 +154,16 @@ def test_corrupt_missing_and_newer_checkpoints_are_clear_errors(tiny_checkpoint,
     (bad / "state.pt").unlink()
     with pytest.raises(ckpt.CheckpointError, match="incomplete: missing state.pt"):
         ckpt.load_model(bad)
+
+
+def test_cli_public_flags_and_override_parsing():
+    p = train_minimal.build_parser()
+    flags = {o for a in p._actions for o in a.option_strings}
+    public = {"--size", "--arch", "--n-iter", "--data", "--out-dir", "--device", "--dtype", "--compile", "--max-steps", "--seed",
+              "--resume", "--micro-batch", "--tokens", "--eval-interval", "--eval-batches"}
+    assert public <= flags
+    args = vars(p.parse_args(["--compile", "--qk-norm", "false", "--tokens", "1.68e9", "--n-enc", "none", "--lr", "3e-4"]))
+    assert args == dict(size="tiny", arch="asymloop", compile=True, qk_norm=False, tokens=1_680_000_000, n_enc=None, lr=3e-4)
+    cfg = TrainConfig.from_preset("60m")
+    assert (cfg.seq_len, cfg.global_batch, cfg.lr, cfg.weight_decay, cfg.grad_clip, cfg.tokenizer) == (1024, 512, 1e-3, 0.1, 1.0, "t5")
+    assert cfg.total_steps() == 3205 and TrainConfig.from_preset("60m", max_steps=7).total_steps() == 7
