@@ -137,8 +137,8 @@ class TrainConfig:
 _PAPER = dict(data="fineweb-edu", tokenizer="t5", seq_len=1024, global_batch=512, lr=1e-3)
 TRAIN_PRESETS = {
     # (ours) sized for a 2-core CPU: data prep + training + evals in <= 5 minutes, see README
-    "tiny": dict(data="stdlib", tokenizer="bpe", seq_len=128, global_batch=32, max_steps=100,
-                 lr=3e-3, eval_interval=25, eval_batches=4),
+    "tiny": dict(data="stdlib", tokenizer="bpe", seq_len=128, global_batch=16, max_steps=200,
+                 lr=3e-3, eval_interval=50, eval_batches=8),
     # the paper's settings; micro_batch (ours) fits an 80 GB GPU in bf16, lower it on smaller GPUs
     "60m": dict(_PAPER, tokens=1_680_000_000, micro_batch=32, eval_interval=250),
     "135m": dict(_PAPER, tokens=3_000_000_000, micro_batch=32, eval_interval=250),
@@ -587,7 +587,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
         if isinstance(lr_hook, alrs.ALRS) and (rep := alrs.report(out_dir, result["history"], lr_hook.ramp_len, done)):
             result["alrs_plot"] = rep[0]
             say(rep[1])
-        if val_loss is not None:
+        if val_loss is not None and not result["interrupted"]:
             say(f"final val loss {val_loss:.4f} nats/token (ppl {math.exp(val_loss):.1f}) vs unigram entropy "
                 f"{data.unigram_entropy:.3f} after {done} steps, {result['seconds']:.0f}s; checkpoints and loss.png in {out_dir}")
     return result
