@@ -14,6 +14,7 @@ overridden, e.g. `--d-model 256 --lr 3e-4 --qk-norm false --max-steps 100`. Unkn
 
 import argparse
 import difflib
+import math
 import sys
 import types
 from dataclasses import MISSING, fields
@@ -21,7 +22,7 @@ from dataclasses import MISSING, fields
 from minimal_asymloop.checkpoint import CheckpointError
 from minimal_asymloop.data import DataError
 from minimal_asymloop.model import ARCHS, PAPER_MOE, PRESETS, ModelConfig
-from minimal_asymloop.trainer import ConfigError, NonFiniteLossError, TrainConfig, train
+from minimal_asymloop.trainer import ConfigError, DistributedError, NonFiniteLossError, TrainConfig, train
 
 
 def _parse_bool(s: str) -> bool:
@@ -33,16 +34,26 @@ def _parse_bool(s: str) -> bool:
 
 
 def _parse_int(s: str) -> int:
-    v = float(s)  # accepts 1.68e9 for --tokens
+    try:
+        v = float(s)  # accepts 1.68e9 for --tokens
+    except ValueError:
+        v = math.nan
     if not v.is_integer():
         raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}")
     return int(v)
 
 
+def _parse_float(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+
+
 def _field_parser(f):
     """argparse type for a dataclass field, from its annotation (`int | None` accepts 'none')."""
     kinds = [t for t in (f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)) if t is not type(None)]
-    base = {bool: _parse_bool, int: _parse_int, float: float, str: str}[kinds[0]]
+    base = {bool: _parse_bool, int: _parse_int, float: _parse_float, str: str}[kinds[0]]
     optional = isinstance(f.type, types.UnionType)
     return lambda s: None if optional and s.lower() in ("none", "null") else base(s)
 
@@ -62,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
             kw = dict(nargs="?", const=True) if f.type is bool else {}  # `--compile` alone means true
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_field_parser(f), default=argparse.SUPPRESS,
                                metavar=f.name.upper(), help=f"(class default {default!r}; the --size preset may set it)", **kw)
+    alrs = p.add_argument_group("ALRS shortcuts")
+    alrs.add_argument("--no-alrs", dest="alrs", action="store_false", default=argparse.SUPPRESS, help="one LR for all matrices")
+    alrs.add_argument("--alrs-range", nargs=2, type=float, metavar=("LO", "HI"), default=argparse.SUPPRESS,
+                      help="ALRS multiplier range (default 1 5); sets --alrs-lo and --alrs-hi")
     return p
 
 
@@ -75,6 +90,8 @@ def main(argv=None):
         p.error(f"unknown option {bad[0]!r}" + (f"; did you mean {hint[0]}?" if hint else "") + " (--help lists every option)")
     given = vars(args)
     size, arch, moe = given.pop("size"), given.pop("arch"), given.pop("moe")
+    if "alrs_range" in given:
+        given["alrs_lo"], given["alrs_hi"] = given.pop("alrs_range")
     model_names = {f.name for f in fields(ModelConfig)}
     try:
         model_over = {k: v for k, v in given.items() if k in model_names}
@@ -86,7 +103,7 @@ def main(argv=None):
         p.error(str(e))
     try:
         train(model_cfg, train_cfg)
-    except (ConfigError, DataError, CheckpointError, NonFiniteLossError) as e:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLossError, DistributedError) as e:
         sys.exit(f"error: {e}")
 
 

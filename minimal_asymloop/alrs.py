@@ -13,6 +13,7 @@ import math
 import re
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +23,9 @@ import torch.nn as nn
 FITS = ("ww", "hill_median")
 EVALS_THRESH = 1e-5  # eigenvalues at or below this count as zero (weightwatcher's and the reference code's cut)
 MIN_EVALS = 50  # matrices with fewer eigenvalues are not tuned
-TOP_NAMES = ("embed.weight", "head.weight")  # always get the top multiplier, as in the reference code
+# Embedding and head always get the top multiplier, as in the reference code. (ours) Their alphas are
+# logged but kept out of the min/max: vocabulary-sized spectra would otherwise set everyone's range.
+TOP_NAMES = ("embed.weight", "head.weight")
 GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN", "global KV",
           "attention", "FFN", "embedding/head")  # "attention"/"FFN": the `blocks` of dense and full_loop
 
@@ -45,8 +48,9 @@ def eigenvalues(weight: torch.Tensor, dtype=torch.float32) -> np.ndarray:
 def hill_median_alpha(eigenvalues) -> float:
     """Hill estimator with xmin at the median eigenvalue, as the reference code does it:
     alpha = 1 + n / (Σ_{λ≥xmin} ln λ − n·ln xmin) over the n eigenvalues from index N//2 up."""
-    e = torch.as_tensor(eigenvalues).detach().cpu().double().numpy() if isinstance(eigenvalues, torch.Tensor) \
-        else np.asarray(eigenvalues, dtype=np.float64)
+    if isinstance(eigenvalues, torch.Tensor):
+        eigenvalues = eigenvalues.detach().cpu().double().numpy()
+    e = np.asarray(eigenvalues, dtype=np.float64)
     e = np.sort(e[e > EVALS_THRESH])
     if len(e) < 2:
         raise ValueError(f"hill_median_alpha needs at least 2 eigenvalues above {EVALS_THRESH}, got {len(e)}")
@@ -139,7 +143,7 @@ def group_of(name: str) -> str | None:
 
 
 def group_means(values: dict[str, float]) -> dict[str, float]:
-    """Mean value per logging group (unweighted over the group's matrices)."""
+    """Mean value per logging group. (ours) Unweighted over the group's matrices."""
     by_group: dict[str, list] = {}
     for name, v in values.items():
         if (g := group_of(name)) is not None:
@@ -222,21 +226,26 @@ class ALRS:
         self.target, self.ramp_from = dict(targets), step
 
     def allocate(self, step: int, model: nn.Module) -> dict:
-        """Fit alphas (rank 0 only under DDP, then broadcast), set new targets, start a ramp."""
+        """Fit alphas (rank 0 only under DDP, then broadcast), set new targets, start a ramp.
+        Returns the record to log; its keys start with "alrs_" (alrs_step is the 0-based step index)."""
         t0 = time.perf_counter()
         names = list(tuned_matrices(model))
         ddp = dist.is_available() and dist.is_initialized()
         alphas = matrix_alphas(model, self.fit) if not ddp or dist.get_rank() == 0 else None
-        if ddp:  # every rank gets rank 0's alphas, so all ranks use identical LRs
+        if ddp and names:  # every rank gets rank 0's alphas, so all ranks use identical LRs
             device = next(unwrap(model).parameters()).device
             buf = torch.tensor([alphas[n] for n in names] if alphas else [0.0] * len(names), dtype=torch.float64, device=device)
             dist.broadcast(buf, src=0)
             alphas = dict(zip(names, buf.tolist()))
-        self.retarget(step, multipliers_from_alphas(alphas, self.lo, self.hi, top=TOP_NAMES))
-        self.alphas, self.last_alloc = alphas, step
-        return dict(kind="alrs", step=step, fit=self.fit, seconds=round(time.perf_counter() - t0, 3),
-                    alpha=alphas, multiplier=self.target, group_mean=group_means(self.target),
-                    group_alpha=group_means(alphas))
+        self.retarget(step, multipliers_from_alphas(alphas or {}, self.lo, self.hi, top=TOP_NAMES))
+        self.alphas, self.last_alloc = alphas or {}, step
+        return dict(alrs_step=step, alrs_fit=self.fit, alrs_seconds=round(time.perf_counter() - t0, 3), alrs_alpha=self.alphas,
+                    alrs_multiplier=self.target, alrs_group_mean=group_means(self.target), alrs_group_alpha=group_means(self.alphas))
+
+    def describe(self, model: nn.Module) -> str:
+        n, last = len(tuned_matrices(model)), int(self.phase * self.total_steps)
+        return (f"ALRS: {n} matrices tuned (fewer than {MIN_EVALS} eigenvalues: not tuned), fit {self.fit}, multipliers "
+                f"{self.lo:g}-{self.hi:g}, allocated every {self.every} steps up to step {last}, {self.ramp_len}-step ramps")
 
     def on_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
         record = None
@@ -270,14 +279,13 @@ def check_groups(optimizer: torch.optim.Optimizer, names) -> None:
 # ----------------------------------------------------------------------------- after training: plots
 
 
-def multiplier_history(records: list[dict], ramp_len: int, last_step: int) -> tuple[list[int], dict[str, list[float]]]:
-    """Replay logged allocations: multipliers of every matrix at each breakpoint of the
-    piecewise-linear schedule (allocation steps, ramp ends, last_step)."""
+def multiplier_history(rows: list[dict], ramp_len: int, last_step: int) -> tuple[list[int], dict[str, list[float]]]:
+    """Replay the logged allocations (metrics rows with "alrs_multiplier"): multipliers of every
+    matrix at each breakpoint of the piecewise-linear schedule (allocations, ramp ends, last_step)."""
+    by_step = {r["alrs_step"]: r["alrs_multiplier"] for r in rows if "alrs_multiplier" in r}
     replay = ALRS(total_steps=max(last_step, 1), ramp=ramp_len)
     steps, hist = [], {}
-    points = sorted({r["step"] for r in records} | {r["step"] + ramp_len for r in records} | {last_step})
-    by_step = {r["step"]: r["multiplier"] for r in records}
-    for s in points:
+    for s in sorted(set(by_step) | {s + ramp_len for s in by_step} | {last_step}):
         if s in by_step:
             replay.retarget(s, by_step[s])
         for k, v in replay.multipliers(s).items():
@@ -293,15 +301,15 @@ def decoder_encoder_ratios(multipliers: dict[str, float]) -> dict[str, float]:
             if f"decoder {kind}" in g and f"encoder {kind}" in g}
 
 
-def plot_alrs(records: list[dict], ramp_len: int, last_step: int, path) -> dict[str, float]:
+def plot_alrs(rows: list[dict], ramp_len: int, last_step: int, path) -> dict[str, float]:
     """Plot multipliers over time and the decoder/encoder LR ratios; return the final ratios."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, hist = multiplier_history(records, ramp_len, last_step)
-    means = [group_means({k: v[i] for k, v in hist.items()}) for i in range(len(steps))]
-    ratios = [decoder_encoder_ratios({k: v[i] for k, v in hist.items()}) for i in range(len(steps))]
+    steps, hist = multiplier_history(rows, ramp_len, last_step)
+    at = [{k: v[i] for k, v in hist.items()} for i in range(len(steps))]
+    means, ratios = [group_means(m) for m in at], [decoder_encoder_ratios(m) for m in at]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for v in hist.values():
         ax1.plot(steps, v, color="0.8", lw=0.6)
@@ -323,3 +331,13 @@ def plot_alrs(records: list[dict], ramp_len: int, last_step: int, path) -> dict[
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return ratios[-1]
+
+
+def report(out_dir, rows: list[dict], ramp_len: int, last_step: int) -> tuple[str, str] | None:
+    """After training: alrs.png in out_dir and a one-line summary, or None if nothing was allocated."""
+    if not any(r.get("alrs_multiplier") for r in rows):  # no allocation, or no matrix large enough to tune
+        return None
+    path = Path(out_dir) / "alrs.png"
+    ratios = plot_alrs(rows, ramp_len, last_step, path)
+    said = ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()) or "n/a (no encoder/decoder)"
+    return str(path), f"ALRS: final decoder/encoder mean LR ratio: {said} (the paper saw about 1.5 for FFN); plot {path}"

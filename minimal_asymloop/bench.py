@@ -1,13 +1,15 @@
 """Benchmarks that print figures (never timed unit tests).
 
     python -m minimal_asymloop.bench attention   # joint attention paths vs causal SDPA
-    python -m minimal_asymloop.bench alrs        # one ALRS allocation vs 100 training steps
     python -m minimal_asymloop.bench moe         # MoE FFN (expert loop) vs dense SwiGLU, layer and model
     python -m minimal_asymloop.bench generate    # KV-cached vs uncached generation, cache memory
+    python -m minimal_asymloop.bench alrs        # one ALRS allocation vs 100 training steps
+    python -m minimal_asymloop.bench train --size tiny   # training step: dense vs full_loop K=2 vs asymloop K=3
 """
 
 import argparse
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from minimal_asymloop.model import (
     MoE,
     SwiGLU,
     causal_attention,
+    flops_per_token,
     joint_attention,
     joint_attention_masked,
     joint_attention_reference,
@@ -69,72 +72,6 @@ def bench_attention(args):
     print("floor for fast/causal-SDPA is about 2 (twice the keys); target <= 2.3 at N=1024")
 
 
-def bench_alrs(args):
-    """One ALRS allocation (eigenvalues, then each fit) for a preset, next to weightwatcher's
-    analyze() and to 100 training steps estimated from a measured forward+backward.
-    Prints wall and process CPU seconds: on a shared machine CPU time is the steadier figure."""
-    import warnings
-
-    from minimal_asymloop import alrs
-    from minimal_asymloop.model import LoopedLM, ModelConfig, count_params
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def clock(fn):  # (wall s, CPU s) of one call
-        sync()
-        w, c = time.perf_counter(), time.process_time()
-        fn()
-        sync()
-        return time.perf_counter() - w, time.process_time() - c
-
-    cfg = ModelConfig.from_preset(args.size, args.arch, max_seq_len=args.seq)
-    torch.manual_seed(0)
-    model = LoopedLM(cfg).to(device)
-    mats = alrs.tuned_matrices(model)
-    print(f"ALRS allocation, {args.size} {args.arch} (K={cfg.n_iter}, {count_params(cfg) / 1e6:.1f}M params), "
-          f"{len(mats)} tuned matrices, {device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("  figures are (wall s / process CPU s)")
-    t = clock(alrs._weightwatcher)
-    print(f"  weightwatcher import, once per process: {t[0]:.1f} / {t[1]:.1f}")
-    alrs.eigenvalues(mats["head.weight"])  # warm up the solver (CUDA handles, MKL threads)
-    evals = {}
-    t_eig = np.sum([clock(lambda n=n, w=w: evals.__setitem__(n, alrs.eigenvalues(w))) for n, w in mats.items()], axis=0)
-    t_fit = {fit: clock(lambda fn=fn: [fn(e) for e in evals.values()]) for fit, fn in alrs.FIT_FNS.items()}
-    print(f"  eigenvalues (torch.linalg.svdvals, float32, {device}): {t_eig[0]:.2f} / {t_eig[1]:.2f}")
-    for fit, t in t_fit.items():
-        print(f"  fit {fit:<12} (CPU): {t[0]:.2f} / {t[1]:.2f}   -> allocation: {t_eig[0] + t[0]:.2f} / {t_eig[1] + t[1]:.2f}")
-    if args.ww_analyze:
-        cpu_state = {k: v.detach().cpu() for k, v in mats.items()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            t = clock(lambda: alrs._weightwatcher().WeightWatcher().analyze(cpu_state, plot=False))
-        print(f"  for reference, weightwatcher analyze() of the same matrices: {t[0]:.2f} / {t[1]:.2f}")
-
-    # one training step = forward+backward over tokens_per_step tokens; we time a (batch, seq)
-    # micro-batch and scale by tokens (optimizer step and communication not included)
-    idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
-    amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-
-    def fwd_bwd():
-        with amp:
-            _, loss = model(idx, idx)
-        loss.backward()
-
-    fwd_bwd()  # warm-up
-    t_mb = np.median([clock(fwd_bwd) for _ in range(args.repeats)], axis=0)
-    scale = args.tokens_per_step / (args.batch * args.seq)
-    print(f"  forward+backward of {args.batch}x{args.seq} tokens: {t_mb[0]:.2f} / {t_mb[1]:.2f}; one step of "
-          f"{args.tokens_per_step} tokens ~ {t_mb[0] * scale:.1f} / {t_mb[1] * scale:.1f} on this device")
-    for fit, t in t_fit.items():
-        frac = (t_eig + t) / (100 * t_mb * scale)
-        print(f"  allocation ({fit}) / 100 steps: {100 * frac[0]:.2g}% / {100 * frac[1]:.2g}%   (allocations run in the "
-              f"first 20% only: {20 * frac[0]:.2g}% / {20 * frac[1]:.2g}% of training)")
-    if device.type == "cuda" and args.size == "60m" and args.arch == "asymloop":  # the paper: 0.216 s/step on 8xH100
-        for fit, t in t_fit.items():
-            print(f"  vs the paper's 8xH100 step (0.216 s): allocation ({fit}, wall) / 100 steps = {(t_eig[0] + t[0]) / 21.6:.1%}")
 def bench_moe(args):
     """Forward+backward time of the paper's MoE FFN (8 experts, top-2, half width) against the dense SwiGLU
     it replaces (same active FLOPs), for one layer and for a whole training step of the given size."""
@@ -198,22 +135,138 @@ def bench_generate(args):
         print(f"{arch:<10} K={k}  eff. depth {cfg.effective_depth:>2}  {b / 2**20:6.1f} MiB  {b / dense:.2f}x dense")
 
 
+def bench_alrs(args):
+    """One ALRS allocation (eigenvalues, then each fit) for a preset, next to weightwatcher's
+    analyze() and to 100 training steps estimated from a measured forward+backward.
+    Prints wall and process CPU seconds: on a shared machine CPU time is the steadier figure."""
+    import warnings
+
+    from minimal_asymloop import alrs
+    from minimal_asymloop.model import count_params
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def clock(fn):  # (wall s, CPU s) of one call
+        sync()
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        sync()
+        return time.perf_counter() - w, time.process_time() - c
+
+    cfg = ModelConfig.from_preset(args.size, args.arch, max_seq_len=args.seq)
+    torch.manual_seed(0)
+    model = LoopedLM(cfg).to(device)
+    mats = alrs.tuned_matrices(model)
+    print(f"ALRS allocation, {args.size} {args.arch} (K={cfg.n_iter}, {count_params(cfg) / 1e6:.1f}M params), "
+          f"{len(mats)} tuned matrices, {device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("  figures are (wall s / process CPU s)")
+    t = clock(alrs._weightwatcher)
+    print(f"  weightwatcher import, once per process: {t[0]:.1f} / {t[1]:.1f}")
+    alrs.eigenvalues(mats["head.weight"])  # warm up the solver (CUDA handles, MKL threads)
+    evals = {}
+    t_eig = np.sum([clock(lambda n=n, w=w: evals.__setitem__(n, alrs.eigenvalues(w))) for n, w in mats.items()], axis=0)
+    t_fit = {fit: clock(lambda fn=fn: [fn(e) for e in evals.values()]) for fit, fn in alrs.FIT_FNS.items()}
+    print(f"  eigenvalues (torch.linalg.svdvals, float32, {device}): {t_eig[0]:.2f} / {t_eig[1]:.2f}")
+    for fit, t in t_fit.items():
+        print(f"  fit {fit:<12} (CPU): {t[0]:.2f} / {t[1]:.2f}   -> allocation: {t_eig[0] + t[0]:.2f} / {t_eig[1] + t[1]:.2f}")
+    if args.ww_analyze:
+        cpu_state = {k: v.detach().cpu() for k, v in mats.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = clock(lambda: alrs._weightwatcher().WeightWatcher().analyze(cpu_state, plot=False))
+        print(f"  for reference, weightwatcher analyze() of the same matrices: {t[0]:.2f} / {t[1]:.2f}")
+
+    # one training step = forward+backward over tokens_per_step tokens; we time a (batch, seq)
+    # micro-batch and scale by tokens (optimizer step and communication not included)
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
+    amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def fwd_bwd():
+        with amp:
+            _, loss = model(idx, idx)
+        loss.backward()
+
+    fwd_bwd()  # warm-up
+    t_mb = np.median([clock(fwd_bwd) for _ in range(args.repeats)], axis=0)
+    scale = args.tokens_per_step / (args.batch * args.seq)
+    print(f"  forward+backward of {args.batch}x{args.seq} tokens: {t_mb[0]:.2f} / {t_mb[1]:.2f}; one step of "
+          f"{args.tokens_per_step} tokens ~ {t_mb[0] * scale:.1f} / {t_mb[1] * scale:.1f} on this device")
+    for fit, t in t_fit.items():
+        frac = (t_eig + t) / (100 * t_mb * scale)
+        print(f"  allocation ({fit}) / 100 steps: {100 * frac[0]:.2g}% / {100 * frac[1]:.2g}%   (allocations run in the "
+              f"first 20% only: {20 * frac[0]:.2g}% / {20 * frac[1]:.2g}% of training)")
+    if device.type == "cuda" and args.size == "60m" and args.arch == "asymloop":  # the paper: 0.216 s/step on 8xH100
+        for fit, t in t_fit.items():
+            print(f"  vs the paper's 8xH100 step (0.216 s): allocation ({fit}, wall) / 100 steps = {(t_eig[0] + t[0]) / 21.6:.1%}")
+
+
+def time_train_step(cfg, batch, seq, device, dtype, args) -> float:
+    """Median seconds of one optimizer step (forward, backward, AdamW) on random tokens."""
+    from minimal_asymloop.trainer import param_groups
+
+    torch.manual_seed(0)
+    model = LoopedLM(cfg).to(device)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    step_model = torch.compile(model) if args.compile else model
+    x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    ctx = torch.autocast(device.type, dtype=dtype) if dtype == torch.bfloat16 else nullcontext()
+
+    def step():
+        with ctx:
+            _, loss = step_model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return timeit(step, device, warmup=args.warmup, min_time=args.min_time, max_iters=args.steps)
+
+
+def bench_train(args):
+    """Timed optimizer steps (forward, backward, AdamW) of the three architectures at one size, side by side."""
+    from minimal_asymloop.trainer import TRAIN_PRESETS, gpu_peak_flops
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    preset = TRAIN_PRESETS[args.size]
+    seq = args.seq or preset["seq_len"]
+    batch = args.batch or preset.get("micro_batch") or preset["global_batch"]
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    peak = gpu_peak_flops(device)
+    print(f"training step, size {args.size}, batch {batch} x seq {seq}, {device} {str(dtype).removeprefix('torch.')}"
+          f"{' compiled' if args.compile else ''}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    mfu_head = f" {'MFU':>6}" if peak else ""
+    print(f"{'arch':<10} {'K':>2} {'depth':>5} {'step ms':>9} {'tokens/s':>10} {'GFLOP/tok':>10} {'TFLOP/s':>8}{mfu_head} "
+          f"{'FLOP-norm. vs dense':>20}")
+    results = {}
+    for arch, k in (("dense", 1), ("full_loop", 2), ("asymloop", 3)):
+        cfg = ModelConfig.from_preset(args.size, arch, n_iter=k)
+        if seq > cfg.max_seq_len:
+            cfg = ModelConfig.from_preset(args.size, arch, n_iter=k, max_seq_len=seq)
+        t = time_train_step(cfg, batch, seq, device, dtype, args)
+        flops = 3 * flops_per_token(cfg, seq)["total"]  # training ~ 3x forward (DESIGN.md §3)
+        results[arch] = (t, flops)
+        ratio = (t / results["dense"][0]) / (flops / results["dense"][1])
+        achieved = flops * batch * seq / t
+        mfu = f" {achieved / peak:>6.1%}" if peak else ""
+        print(f"{arch:<10} {k:>2} {cfg.effective_depth:>5} {t * 1e3:>9.1f} {batch * seq / t:>10,.0f} {flops / 1e9:>10.3f} "
+              f"{achieved / 1e12:>8.3f}{mfu} {ratio:>20.3f}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print("FLOP-normalized ratio = (t_arch / t_dense) / (F_arch / F_dense): 1.0 means looping and joint attention cost "
+          "nothing beyond their arithmetic; target <= 1.15")
+    return results
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     a = sub.add_parser("attention", help="joint attention paths vs causal SDPA")
     a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a.add_argument("--seq", type=int, nargs="+", default=[256, 1024])
-    r = sub.add_parser("alrs", help="one ALRS allocation vs 100 training steps")
-    r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    r.add_argument("--size", default="60m")
-    r.add_argument("--arch", default="asymloop")
-    r.add_argument("--batch", type=int, default=1, help="micro-batch timed for the step estimate")
-    r.add_argument("--seq", type=int, default=1024)
-    r.add_argument("--tokens-per-step", type=int, default=512 * 1024, help="the paper: 512 sequences of 1024")
-    r.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes (median)")
-    r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    r.add_argument("--no-ww-analyze", dest="ww_analyze", action="store_false", help="skip the weightwatcher reference")
     m = sub.add_parser("moe", help="MoE FFN expert loop vs dense SwiGLU, one layer and one training step")
     m.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     m.add_argument("--size", default="tiny")
@@ -227,8 +280,27 @@ def main(argv=None):
     g.add_argument("--prompt-len", type=int, default=32)
     g.add_argument("--new-tokens", type=int, default=128)
     g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    r = sub.add_parser("alrs", help="one ALRS allocation vs 100 training steps")
+    r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    r.add_argument("--size", default="60m")
+    r.add_argument("--arch", default="asymloop")
+    r.add_argument("--batch", type=int, default=1, help="micro-batch timed for the step estimate")
+    r.add_argument("--seq", type=int, default=1024)
+    r.add_argument("--tokens-per-step", type=int, default=512 * 1024, help="the paper: 512 sequences of 1024")
+    r.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes (median)")
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    r.add_argument("--no-ww-analyze", dest="ww_analyze", action="store_false", help="skip the weightwatcher reference")
+    t = sub.add_parser("train", help="training step time of dense, full_loop K=2 and asymloop K=3 side by side")
+    t.add_argument("--size", default="tiny", choices=["tiny", "60m", "135m", "350m", "1b"])
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    t.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's micro-batch)")
+    t.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
+    t.add_argument("--compile", action="store_true")
+    t.add_argument("--warmup", type=int, default=2)
+    t.add_argument("--min-time", type=float, default=5.0, help="seconds of timed steps per architecture (at least 3 steps)")
+    t.add_argument("--steps", type=int, default=20, help="at most this many timed steps per architecture")
     args = p.parse_args(argv)
-    {"attention": bench_attention, "alrs": bench_alrs, "moe": bench_moe, "generate": bench_generate}[args.what](args)
+    {"attention": bench_attention, "train": bench_train, "generate": bench_generate, "alrs": bench_alrs, "moe": bench_moe}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ A save writes a temp folder, fsyncs it, renames it into place and only then move
 (and `best`) link, so a crash at any moment leaves `latest` pointing at a complete checkpoint.
 """
 
+import errno
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ from tokenizers import Tokenizer
 from minimal_asymloop.model import LoopedLM, ModelConfig
 
 FORMAT_VERSION = 1
-DELAY_ENV = "MINIMAL_ASYMLOOP_CKPT_DELAY"  # seconds to sleep after each file: lets tests kill a write midway
+DELAY_ENV = "MINIMAL_ASYMLOOP_CKPT_DELAY"  # test hook: seconds to sleep after each file and before the link moves
 FILES = ("model.safetensors", "state.pt", "tokenizer.json", "meta.json")
 
 
@@ -59,6 +61,29 @@ def save_checkpoint(out_dir, model: LoopedLM, state: dict, meta: dict, tokenizer
     while (out_dir / name).exists():  # same step saved twice (rare): never touch a folder a link may use
         name, k = f"ckpt_{meta['step']:07d}.{k}", k + 1
     tmp = out_dir / f".tmp-{name}-{os.getpid()}"
+    try:
+        _write(tmp, out_dir, name, model, state, meta, tokenizer, best)
+    except (OSError, RuntimeError, SafetensorError) as e:  # disk full, quota, permissions (torch.save wraps OSError in RuntimeError)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(_write_failure(out_dir, name, e)) from None
+    _collect_garbage(out_dir)
+    return out_dir / name
+
+
+def _write_failure(out_dir: Path, name: str, e: Exception) -> str:
+    code = getattr(e, "errno", None)
+    if code is None and (m := re.search(r"os error (\d+)", str(e))):  # safetensors reports the OS error in its message
+        code = int(m.group(1))
+    why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded", errno.EFBIG: "a file size limit was hit",
+           errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.EROFS: "the file system is read-only"}.get(
+        code, f"{type(e).__name__}: {' '.join(str(e).split())}")
+    latest = out_dir / "latest"
+    kept = f"the previous checkpoint {latest.resolve().name} is intact" if latest.exists() else "no earlier checkpoint exists"
+    return (f"could not write checkpoint {name} to {out_dir}: {why}; {kept}; free disk space or fix --out-dir's permissions, "
+            f"then continue with --resume")
+
+
+def _write(tmp: Path, out_dir: Path, name: str, model: LoopedLM, state: dict, meta: dict, tokenizer: Tokenizer, best: bool):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
@@ -78,11 +103,11 @@ def save_checkpoint(out_dir, model: LoopedLM, state: dict, meta: dict, tokenizer
     _fsync(tmp)
     os.rename(tmp, out_dir / name)
     _fsync(out_dir)
+    if delay:  # a kill here leaves a complete folder that `latest` does not point at yet
+        time.sleep(delay)
     _point(out_dir / "latest", name)
     if best:
         _point(out_dir / "best", name)
-    _collect_garbage(out_dir)
-    return out_dir / name
 
 
 def _collect_garbage(out_dir: Path):
@@ -169,4 +194,8 @@ def load_state(path) -> dict:
     try:
         return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle opcode, forbidden global: all mean "corrupt"
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt: state.pt cannot be loaded ({type(e).__name__}: {e})") from None
+        if "Unsupported global" in str(e):  # a pickled call (code) that weights_only refused to run
+            raise CheckpointError(f"refused to load {ckpt}/state.pt: it contains pickled code, which is never run (it may be "
+                                  f"malicious or not written by this trainer); resume from a checkpoint you trust") from None
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: state.pt cannot be loaded ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})") from None

@@ -106,7 +106,19 @@ def _local_files(spec: str) -> list[Path]:
     kinds = {f.suffix for f in files}
     if not kinds <= {".txt", ".jsonl", ".parquet"} or len(kinds) > 1:
         raise DataError(f"{spec!r} matches files of type {sorted(kinds)}; use files of one type: .txt, .jsonl or .parquet")
+    if all(f.stat().st_size == 0 for f in files):
+        raise DataError(f"the data files at {spec!r} are empty ({len(files)} file(s), 0 bytes); point --data at files with text")
     return files
+
+
+def _not_utf8(files: list[Path]) -> str:
+    """Name the first file that is not UTF-8, and where (only called after a decode error)."""
+    for f in files:
+        try:
+            f.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            return f"{f} (byte {e.object[e.start]:#04x} at offset {e.start})"
+    return "a data file"
 
 
 def source_identity(source: str, max_tokens: int | None) -> dict:
@@ -133,22 +145,33 @@ def iter_documents(source: str, ident: dict):
         return
     import datasets
 
-    datasets.logging.set_verbosity_error()
-    if ident["kind"] == "fineweb-edu":
-        require_hub(f"--data {source}")
-        try:
-            ds = datasets.load_dataset(FINEWEB, name=ident["config"], split="train", streaming=True)
-        except Exception as e:
-            raise DataError(f"could not open {FINEWEB} ({ident['config']}): {type(e).__name__}: {e}; {OFFLINE_ALTERNATIVES}") from None
-    else:
-        files = [str(f) for f in _local_files(source)]
-        builder = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}[Path(files[0]).suffix]
-        kwargs = {"sample_by": "document"} if builder == "text" else {}  # one file = one document
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
-    for i, row in enumerate(ds):
-        if "text" not in row:
-            raise DataError(f"{source!r} has no 'text' column (columns: {sorted(row)}); the data needs a 'text' field per document")
-        yield str(row.get("id", i)), row["text"]
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a failure becomes our one-line DataError, not a log dump
+    try:
+        if ident["kind"] == "fineweb-edu":
+            require_hub(f"--data {source}")
+            try:
+                ds = datasets.load_dataset(FINEWEB, name=ident["config"], split="train", streaming=True)
+            except Exception as e:
+                raise DataError(f"could not open {FINEWEB} ({ident['config']}): {type(e).__name__}: {e}; {OFFLINE_ALTERNATIVES}") from None
+        else:
+            files = [str(f) for f in _local_files(source)]
+            builder = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}[Path(files[0]).suffix]
+            kwargs = {"sample_by": "document"} if builder == "text" else {}  # one file = one document
+            ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+        for i, row in enumerate(ds):
+            if "text" not in row:
+                raise DataError(f"{source!r} has no 'text' column (columns: {sorted(row)}); the data needs a 'text' field per document")
+            yield str(row.get("id", i)), row["text"]
+    except UnicodeDecodeError:  # non-UTF-8 text is refused, never guessed at or replaced (ours)
+        if ident["kind"] != "local":
+            raise
+        raise DataError(f"{_not_utf8(_local_files(source))} is not UTF-8 text; convert it (e.g. iconv -f latin1 -t utf-8) "
+                        f"or remove it") from None
+    except (OSError, ValueError) as e:  # unreadable file, corrupt parquet, malformed JSON lines (pyarrow's errors are ValueErrors)
+        if isinstance(e, DataError) or ident["kind"] != "local":
+            raise
+        raise DataError(f"could not read the data at {source!r}: {type(e).__name__}: {' '.join(str(e).split())}; "
+                        f"fix or remove the bad file") from None
 
 
 def is_val(doc_key: str, val_fraction: float) -> bool:
@@ -166,7 +189,8 @@ def load_t5_tokenizer() -> Tokenizer:
 
     cached = try_to_load_from_cache(T5_REPO, "tokenizer.json")
     if not isinstance(cached, str):
-        require_hub(f"the T5 tokenizer ({T5_REPO})", "use --tokenizer bpe (trained locally on the data) or run once online to cache it")
+        require_hub(f"the T5 tokenizer ({T5_REPO})", "use --tokenizer bpe (trained locally on the data; with --data stdlib or "
+                    "--data PATH this works offline) or run once online to cache it")
         cached = hf_hub_download(T5_REPO, "tokenizer.json")
     return Tokenizer.from_file(cached)
 
@@ -316,12 +340,26 @@ def load_prepared(folder) -> Prepared:
 
 def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet):
     """Tokenize the source into a temp folder, then rename it into place (atomic; a crash leaves no half cache)."""
-    t0 = time.time()
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    if ident["kind"] == "fineweb-edu":
+        require_hub(f"--data {source}")  # before anything slow, and before the tokenizer's own check
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    try:
+        _tokenize_into(tmp, source, ident, tok_ident, val_fraction, max_tokens, quiet, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process (a DDP rank on a shared disk) finished first: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tokenize_into(tmp: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet, folder):
+    t0 = time.time()
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     say(f"preparing {source!r} with the {tok_ident['name']} tokenizer into {folder} (once; cached)")
     if tok_ident["name"] == "t5":
         tok = load_t5_tokenizer()
@@ -368,7 +406,6 @@ def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, qui
     for w in writers.values():
         w.flush()
     if not n_docs["val"] or not n_docs["train"]:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(f"{source!r} gave {n_docs['train']} train and {n_docs['val']} val documents at val_fraction={val_fraction}; "
                         f"both splits need documents: add data or raise val_fraction")
     meta = dict(format=DATA_FORMAT, source=source, identity=ident, tokenizer=tok_ident, vocab_size=vocab, eot_id=eot,
@@ -377,10 +414,6 @@ def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, qui
                 n_train_docs=n_docs["train"], n_val_docs=n_docs["val"], unigram_entropy=entropy_nats(writers["val"].counts),
                 prepare_seconds=round(time.time() - t0, 1))
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process (a DDP rank on a shared disk) finished first: use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
     say(f"  {meta['n_train_tokens'] / 1e6:.2f}M train / {meta['n_val_tokens'] / 1e6:.2f}M val tokens from "
         f"{n_docs['train']}+{n_docs['val']} documents in {meta['prepare_seconds']:.0f}s")
 
@@ -402,6 +435,9 @@ class BatchSampler:
         if self.n_windows < 1:
             raise DataError(f"train split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}; "
                             f"use more data or a shorter --seq-len")
+        if self.n_windows < global_batch:  # a batch would repeat windows: almost surely the wrong data (ours)
+            raise DataError(f"train split has {len(tokens)} tokens = {self.n_windows} windows of seq_len+1={seq_len + 1}, fewer than "
+                            f"one batch of {global_batch} sequences; use more data or a smaller --global-batch / --seq-len")
         self._perm = (None, None)
 
     def window_ids(self, step: int) -> np.ndarray:

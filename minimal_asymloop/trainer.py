@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from minimal_asymloop import alrs
 from minimal_asymloop import checkpoint as ckpt
 from minimal_asymloop.data import SHARD_TOKENS, BatchSampler, Tokens, eval_windows, prepare
 from minimal_asymloop.model import LoopedLM, ModelConfig, count_params, flops_per_token
@@ -32,6 +33,22 @@ class ConfigError(ValueError):
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient became inf/NaN; the run stopped before applying that update."""
+
+
+class DistributedError(RuntimeError):
+    """DDP: another rank died or hung (a collective failed or passed ddp_timeout_s); the message says what to do."""
+
+
+def _lost_ranks(e: RuntimeError, rank: int, step: int, cfg: "TrainConfig") -> DistributedError | None:
+    """A one-line DistributedError for a failed collective (gloo/NCCL), or None for any other RuntimeError."""
+    text = " ".join(str(e).split())
+    comm = ("gloo", "NCCL", "Timed out", "Connection reset", "Connection closed")
+    if not (isinstance(e, dist.DistError) or any(k in text for k in comm)):
+        return None
+    why = next((k.lower() for k in ("Timed out", "Connection reset by peer", "Connection closed by peer") if k in text), text[:120])
+    return DistributedError(f"rank {rank} lost contact with the other ranks at step {step} ({why}): one of them died or hung, see its "
+                            f"log; the last checkpoint is {Path(cfg.out_dir) / 'latest'}, continue with --resume "
+                            f"(--ddp-timeout-s, now {cfg.ddp_timeout_s}, bounds the wait)")
 
 
 # ----------------------------------------------------------------------------- config and presets
@@ -63,7 +80,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     # evaluation and checkpoints (a checkpoint is written at every eval)
     eval_interval: int = 250
-    eval_batches: int = 20  # fixed val batches of micro_batch sequences
+    eval_batches: int = 8  # fixed val batches of global_batch sequences, the same for any micro_batch or world size
     # system
     out_dir: str = "out"
     device: str = "auto"  # auto -> cuda if available, else cpu
@@ -73,6 +90,15 @@ class TrainConfig:
     resume: bool = False
     quiet: bool = False  # no prints, no progress bar (notebooks)
     ddp_timeout_s: int = 600  # a rank that dies makes the others fail after this, never hang (ours)
+    skip_nonfinite: bool = False  # skip a step whose loss or gradient is inf/NaN (counted, logged) instead of stopping
+    # ALRS layerwise learning rates (DESIGN.md §4, alrs.py); --no-alrs and --alrs-range LO HI also work
+    alrs: bool | None = None  # None -> on for asymloop, off for dense and full_loop (as in the paper)
+    alrs_fit: str = "ww"  # ww: weightwatcher's fit (xmin by KS distance) | hill_median: the reference code's
+    alrs_lo: float = 1.0  # multipliers run from lo (smallest alpha) to hi (largest alpha)
+    alrs_hi: float = 5.0
+    alrs_every: int = 100  # steps between allocations
+    alrs_phase: float = 0.2  # allocate while step <= phase * total steps, then freeze
+    alrs_ramp: int = 50  # steps of linear transition to each new allocation
 
     def __post_init__(self):
         for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "ddp_timeout_s"):
@@ -88,6 +114,8 @@ class TrainConfig:
             raise ConfigError(f"unknown tokenizer {self.tokenizer!r}; choose one of bpe, t5")
         if self.max_steps is None and self.tokens is None:
             raise ConfigError("no training budget: set --max-steps or --tokens")
+        if self.alrs is not False:
+            make_alrs(self, "asymloop")  # checks the ALRS settings now, with a clear error
 
     def total_steps(self) -> int:
         return self.max_steps or math.ceil(self.tokens / (self.global_batch * self.seq_len))
@@ -109,7 +137,7 @@ class TrainConfig:
 _PAPER = dict(data="fineweb-edu", tokenizer="t5", seq_len=1024, global_batch=512, lr=1e-3)
 TRAIN_PRESETS = {
     # (ours) sized for a 2-core CPU: data prep + training + evals in <= 5 minutes, see README
-    "tiny": dict(data="stdlib", tokenizer="bpe", seq_len=128, global_batch=32, micro_batch=32, max_steps=150,
+    "tiny": dict(data="stdlib", tokenizer="bpe", seq_len=128, global_batch=16, max_steps=200,
                  lr=3e-3, eval_interval=50, eval_batches=8),
     # the paper's settings; micro_batch (ours) fits an 80 GB GPU in bf16, lower it on smaller GPUs
     "60m": dict(_PAPER, tokens=1_680_000_000, micro_batch=32, eval_interval=250),
@@ -121,10 +149,21 @@ TRAIN_PRESETS = {
 }
 # settings that may change on --resume without changing the result (or only its speed)
 RESUME_MAY_CHANGE = {"out_dir", "device", "compile", "stop_step", "quiet", "resume", "eval_interval", "eval_batches",
-                     "micro_batch", "ddp_timeout_s", "data_cache"}
+                     "micro_batch", "ddp_timeout_s", "data_cache", "skip_nonfinite"}
+NAN_ENV = "MINIMAL_ASYMLOOP_NAN_STEPS"  # test hook: comma-separated steps (1-based) whose loss is made NaN
 
 
 # ----------------------------------------------------------------------------- optimizer and schedule
+
+
+def make_alrs(cfg: TrainConfig, arch: str) -> alrs.ALRS | None:
+    """The ALRS lr_hook for this run, or None: on by default for asymloop only (DESIGN.md §4)."""
+    if not (cfg.alrs if cfg.alrs is not None else arch == "asymloop"):
+        return None
+    try:
+        return alrs.ALRS(cfg.total_steps(), cfg.alrs_fit, cfg.alrs_lo, cfg.alrs_hi, cfg.alrs_every, cfg.alrs_phase, cfg.alrs_ramp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, per_matrix: bool = False) -> list[dict]:
@@ -177,20 +216,24 @@ def _dist() -> tuple[int, int]:
 
 @torch.no_grad()
 def evaluate_loss(model, tokens: Tokens, seq_len: int, batch_size: int, n_batches: int, device="cpu",
-                  dtype: torch.dtype = torch.float32) -> float:
-    """Mean cross-entropy (nats/token) over n_batches fixed batches spread evenly over `tokens`.
-    Under DDP each rank takes every world_size-th batch and the sums are all-reduced."""
+                  dtype: torch.dtype = torch.float32, micro_batch: int | None = None) -> float:
+    """Mean cross-entropy (nats/token) over n_batches x batch_size fixed windows spread evenly over `tokens`.
+
+    The windows depend only on (tokens, seq_len, batch_size, n_batches); they are run in chunks of
+    micro_batch, and under DDP each rank takes every world_size-th chunk and the sums are all-reduced.
+    """
     rank, world = _dist()
     starts = eval_windows(tokens, seq_len, n_batches * batch_size)
-    totals = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of losses, batches)
+    chunk = micro_batch or batch_size
+    totals = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of per-window losses, windows)
     was_training = model.training
     model.eval()
-    for b in range(rank, n_batches, world):
-        w = np.stack([tokens.window(int(s), seq_len + 1) for s in starts[b * batch_size:(b + 1) * batch_size]])
+    for c in range(rank, math.ceil(len(starts) / chunk), world):
+        w = np.stack([tokens.window(int(s), seq_len + 1) for s in starts[c * chunk:(c + 1) * chunk]])
         w = torch.from_numpy(w).to(device)  # (B, T+1)
         with _autocast(device, dtype):
             _, ce, _ = compute_loss(model, w[:, :-1], w[:, 1:])
-        totals += torch.stack([ce.double(), torch.ones((), device=device, dtype=torch.float64)])
+        totals += torch.stack([ce.double() * len(w), torch.tensor(float(len(w)), device=device, dtype=torch.float64)])
     model.train(was_training)
     if world > 1:
         dist.all_reduce(totals)
@@ -314,6 +357,21 @@ def _data_for(model_cfg: ModelConfig, cfg: TrainConfig, local_rank: int, quiet: 
             time.sleep(2)
 
 
+def check_out_dir(out_dir: Path):
+    """Fail now, not at the first checkpoint hours later, if out_dir cannot be created or written."""
+    probe = out_dir / f".write-test-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write to --out-dir {out_dir} ({e.strerror or e}); choose a writable --out-dir") from None
+
+
+def _nan_steps() -> set[int]:
+    return {int(s) for s in os.environ.get(NAN_ENV, "").split(",") if s.strip()}
+
+
 def _check_resume(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, data_meta: dict):
     diffs = [f"{k}: {v!r} -> {model_cfg.to_dict().get(k)!r}" for k, v in meta["model_config"].items() if model_cfg.to_dict().get(k) != v]
     now = asdict(cfg)
@@ -335,7 +393,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
     lr_hook (optional, for ALRS): an object with `on_step(step, model, optimizer) -> dict | None`
     (called before each step's LR is set; may change group["lr_mult"]; a returned dict is logged
     with that step), `state_dict()` / `load_state_dict(d)` (checkpointed), and `per_matrix`
-    (True: one optimizer group per matrix).
+    (True: one optimizer group per matrix). None: ALRS as `cfg.alrs` says (make_alrs).
     """
     rank, world, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     master = rank == 0
@@ -362,11 +420,15 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
 
     torch.manual_seed(cfg.seed)
     model = LoopedLM(model_cfg).to(device)
+    if lr_hook is None:
+        lr_hook = make_alrs(cfg, model_cfg.arch)
     per_matrix = bool(getattr(lr_hook, "per_matrix", False))
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay, per_matrix), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
     out_dir = Path(cfg.out_dir)
-    start_step, best_val = 0, math.inf
+    start_step, best_val, skipped = 0, math.inf, 0
+    if master:
+        check_out_dir(out_dir)
     if cfg.resume:
         meta = ckpt.read_meta(out_dir)
         _check_resume(meta, model_cfg, cfg, data.meta)
@@ -383,12 +445,11 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
         torch.set_rng_state(state["rng"]["torch"])
         if device.type == "cuda" and state["rng"].get("cuda"):
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        start_step, best_val = state["step"], state["best_val_loss"]
+        start_step, best_val, skipped = state["step"], state["best_val_loss"], state.get("nonfinite_skipped", 0)
         if master:
             _trim_metrics(out_dir, start_step)
         say(f"resumed from {meta['path']} at step {start_step}")
     elif master:
-        out_dir.mkdir(parents=True, exist_ok=True)
         if (out_dir / "latest").exists():
             say(f"note: starting fresh in {out_dir}; its old checkpoints will be replaced (use --resume to continue them)")
         (out_dir / "metrics.jsonl").write_text("")
@@ -411,6 +472,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
     say(f"{tokens_per_step:,} tokens/step (global batch {cfg.global_batch} = micro {micro} x accum {accum} x world {world}), "
         f"{total} steps = {total * tokens_per_step / 1e6:.1f}M tokens ({total * tokens_per_step / n_params:.2f} tokens/param); "
         f"{device} {str(dtype).removeprefix('torch.')}{' compiled' if cfg.compile else ''}")
+    if isinstance(lr_hook, alrs.ALRS):
+        say(lr_hook.describe(raw))
     say(f"data: {data.meta['n_train_tokens']:,} train / {data.meta['n_val_tokens']:,} val tokens; "
         f"val unigram entropy {data.unigram_entropy:.3f} nats/token (the loss of the best context-free model)")
 
@@ -420,18 +483,18 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                                vocab_size=data.vocab_size, unigram_entropy=data.unigram_entropy))
 
     def evaluate() -> float:
-        return evaluate_loss(raw, data.val, cfg.seq_len, micro, cfg.eval_batches, device, dtype)  # eager, unwrapped
+        return evaluate_loss(raw, data.val, cfg.seq_len, cfg.global_batch, cfg.eval_batches, device, dtype, micro)  # eager, unwrapped
 
     def save(step: int, val_loss: float | None, best: bool):
         if not master:
             return
         state = dict(step=step, samples_seen=step * cfg.global_batch, optimizer=optimizer.state_dict(), best_val_loss=best_val,
                      rng=dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else []),
-                     lr_hook=lr_hook.state_dict() if lr_hook is not None else None)
+                     lr_hook=lr_hook.state_dict() if lr_hook is not None else None, nonfinite_skipped=skipped)
         ckpt.save_checkpoint(out_dir, raw, state, dict(meta_base, step=step, val_loss=val_loss, best_val_loss=best_val),
                              data.tokenizer, best=best)
 
-    flag, val_loss, done, t_start = {}, None, start_step, time.time()
+    flag, val_loss, done, t_start, nan_steps = {}, None, start_step, time.time(), _nan_steps()
     bar = tqdm(total=total, initial=start_step, disable=not master or cfg.quiet, unit="step", dynamic_ncols=True)
     try:
         with stop_on_signals(flag):
@@ -451,6 +514,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                     with sync:
                         with _autocast(device, dtype):
                             loss, ce, aux = compute_loss(model, x, y)  # (B, T) tokens -> scalar
+                        if step + 1 in nan_steps:  # test hook (NAN_ENV): a NaN loss, and so NaN gradients
+                            loss, ce = loss * math.nan, ce * math.nan
                         (loss / accum).backward()
                     ce_sum += ce.detach() / accum
                     for k, v in aux.items():
@@ -463,11 +528,16 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                     dist.all_reduce(stats)
                     stats /= world  # stats[1] > 0 still means "some rank got a signal"
                 loss_val, stop, gn = stats[0].item(), stats[1].item() > 0, grad_norm.item()
-                if not (math.isfinite(loss_val) and math.isfinite(gn)):
+                finite = math.isfinite(loss_val) and math.isfinite(gn)
+                if not finite and not cfg.skip_nonfinite:
                     raise NonFiniteLossError(f"non-finite {'loss' if not math.isfinite(loss_val) else 'gradient norm'} at step {step + 1} "
                                              f"(loss {loss_val}, grad norm {gn}); stopped before applying it. The last good checkpoint "
-                                             f"is {out_dir / 'latest'}; try a lower --lr or --dtype float32")
-                optimizer.step()
+                                             f"is {out_dir / 'latest'}; try a lower --lr or --dtype float32, or --skip-nonfinite")
+                if finite:
+                    optimizer.step()
+                else:  # --skip-nonfinite: drop this step's update (the LR schedule and data order move on)
+                    skipped += 1
+                    say(f"step {step + 1}: non-finite loss {loss_val} / grad norm {gn}; step skipped ({skipped} skipped so far)")
                 optimizer.zero_grad(set_to_none=True)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -475,6 +545,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                 row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn,
                            tok_per_s=tokens_per_step / dt, step_s=dt)
                 row.update({k: v.item() for k, v in zip(aux_sum, stats[2:])})
+                if skipped:
+                    row["nonfinite_skipped"] = skipped
                 row.update(raw.moe_load_entropy())  # MoE: per-layer expert-load entropy, last micro-batch of rank 0
                 if peak:
                     row["mfu"] = 3 * flops * tokens_per_step / dt / (peak * world)
@@ -497,17 +569,25 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                     say(f"stopped by {flag.get('signal', 'a signal on another rank')} at step {done}; checkpoint written, "
                         f"continue with --resume")
                     break
+    except RuntimeError as e:
+        if world > 1 and (err := _lost_ranks(e, rank, done + 1, cfg)) is not None:
+            raise err from None
+        raise
     finally:
         bar.close()
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
     result = dict(step=done, total_steps=total, val_loss=val_loss, best_val_loss=best_val, unigram_entropy=data.unigram_entropy,
                   interrupted=bool(flag) or done < total, seconds=time.time() - t_start, params=n_params, out_dir=str(out_dir))
+    result["nonfinite_skipped"] = skipped
     if master:
         result["history"] = read_metrics(out_dir)
         if result["history"]:
             result["plot"] = str(plot_metrics(out_dir, data.unigram_entropy))
-        if val_loss is not None:
+        if isinstance(lr_hook, alrs.ALRS) and (rep := alrs.report(out_dir, result["history"], lr_hook.ramp_len, done)):
+            result["alrs_plot"] = rep[0]
+            say(rep[1])
+        if val_loss is not None and not result["interrupted"]:
             say(f"final val loss {val_loss:.4f} nats/token (ppl {math.exp(val_loss):.1f}) vs unigram entropy "
                 f"{data.unigram_entropy:.3f} after {done} steps, {result['seconds']:.0f}s; checkpoints and loss.png in {out_dir}")
     return result

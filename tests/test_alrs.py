@@ -168,8 +168,8 @@ def test_schedule_allocation_steps_ramp_and_freeze(monkeypatch):
         seen[step] = group["lr_mult"]
         if step in (0, 100, 200):
             assert len(calls) == step // 100 + 1
-    targets = [r["multiplier"][name] for r in logged]
-    assert [r["step"] for r in logged] == [0, 100, 200] and len(calls) == 3
+    targets = [r["alrs_multiplier"][name] for r in logged]
+    assert [r["alrs_step"] for r in logged] == [0, 100, 200] and len(calls) == 3
     assert seen[0] == 1.0 and seen[25] == pytest.approx((1.0 + targets[0]) / 2) and seen[50] == pytest.approx(targets[0])
     assert seen[99] == pytest.approx(targets[0]) and seen[100] == pytest.approx(targets[0])
     assert seen[125] == pytest.approx((targets[0] + targets[1]) / 2) and seen[150] == pytest.approx(targets[1])
@@ -177,7 +177,7 @@ def test_schedule_allocation_steps_ramp_and_freeze(monkeypatch):
     assert len(set(targets)) > 1  # the ramp had something to move between
     other = next(g for g in opt.param_groups if g["name"] == "other")
     assert other["lr_mult"] == 1.0
-    assert {r["group_mean"]["embedding/head"] for r in logged} == {5.0}
+    assert {r["alrs_group_mean"]["embedding/head"] for r in logged} == {5.0}
 
 
 def test_state_dict_resume_reproduces_multipliers():
@@ -214,18 +214,133 @@ def test_real_fit_on_model_and_clear_errors():
         sched.on_step(0, model, torch.optim.AdamW(model.parameters()))
     rec = sched.on_step(0, model, per_matrix_optimizer(model))
     assert sched.on_step(1, model, per_matrix_optimizer(model)) is None
-    assert set(rec["alpha"]) == set(alrs.tuned_matrices(model))
-    assert all(1.0 < a < 10.0 for a in rec["alpha"].values())
-    assert min(rec["multiplier"].values()) == 1.0 and max(rec["multiplier"].values()) == 5.0
+    assert set(rec["alrs_alpha"]) == set(alrs.tuned_matrices(model))
+    assert all(1.0 < a < 10.0 for a in rec["alrs_alpha"].values())
+    assert min(rec["alrs_multiplier"].values()) == 1.0 and max(rec["alrs_multiplier"].values()) == 5.0
     with pytest.raises(ValueError, match="unknown ALRS fit 'hill'"):
         alrs.ALRS(10, fit="hill")
 
 
 def test_history_and_plot(tmp_path):
-    records = [dict(step=0, multiplier={"encoder.0.mlp.up.weight": 2.0, "decoder.0.mlp.up.weight": 3.0}),
-               dict(step=100, multiplier={"encoder.0.mlp.up.weight": 2.0, "decoder.0.mlp.up.weight": 4.0})]
+    records = [dict(step=1, alrs_step=0, alrs_multiplier={"encoder.0.mlp.up.weight": 2.0, "decoder.0.mlp.up.weight": 3.0}),
+               dict(step=50, loss=3.0),
+               dict(step=101, alrs_step=100, alrs_multiplier={"encoder.0.mlp.up.weight": 2.0, "decoder.0.mlp.up.weight": 4.0})]
     steps, hist = alrs.multiplier_history(records, ramp_len=50, last_step=300)
     assert steps == [0, 50, 100, 150, 300]
     assert hist["decoder.0.mlp.up.weight"] == [1.0, 3.0, 3.0, 4.0, 4.0]
     ratios = alrs.plot_alrs(records, 50, 300, tmp_path / "alrs.png")
     assert ratios == {"FFN": 2.0} and (tmp_path / "alrs.png").stat().st_size > 10_000
+
+
+# ----------------------------------------------------------------------------- with the trainer
+
+ALRS_MODEL = dict(d_model=64, d_ff=128)  # every matrix has >= 50 eigenvalues, so all are tuned
+
+
+@pytest.mark.parametrize("arch", ["asymloop", "dense"])
+def test_every_parameter_in_exactly_one_group(arch):
+    from minimal_asymloop.trainer import param_groups
+
+    model = small_model(arch)
+    groups = param_groups(model, 0.1, per_matrix=alrs.ALRS.per_matrix)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) and set(ids) == {id(p) for p in model.parameters()}
+    alrs.check_groups(torch.optim.AdamW(groups), alrs.tuned_matrices(model))  # each tuned matrix alone, named after it
+
+
+def test_alrs_on_by_default_for_asymloop_only_and_cli_errors(capsys):
+    import train_minimal
+    from minimal_asymloop.trainer import TrainConfig, make_alrs
+
+    cfg = TrainConfig(max_steps=1000)
+    assert isinstance(make_alrs(cfg, "asymloop"), alrs.ALRS)
+    assert make_alrs(cfg, "dense") is None and make_alrs(cfg, "full_loop") is None
+    assert make_alrs(TrainConfig(max_steps=10, alrs=False), "asymloop") is None
+    hook = make_alrs(TrainConfig(max_steps=10, alrs=True, alrs_fit="hill_median", alrs_lo=0.5, alrs_hi=2.0), "full_loop")
+    assert (hook.fit, hook.lo, hook.hi, hook.total_steps) == ("hill_median", 0.5, 2.0, 10)
+    for argv, message in ((["--alrs-fit", "hill"], "unknown ALRS fit 'hill'; choose one of ww, hill_median"),
+                          (["--alrs-range", "5", "1"], "ALRS multiplier range needs 0 < lo <= hi, got lo=5.0, hi=1.0")):
+        with pytest.raises(SystemExit) as e:
+            train_minimal.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_resume_with_alrs_is_exact(tiny_configs, tmp_path):
+    """Allocations at steps 0, 2, 4, 6 with 3-step ramps; stopping after 5 steps cuts a ramp in two."""
+    from minimal_asymloop.trainer import read_metrics, train
+
+    over = dict(max_steps=10, eval_interval=5, alrs_every=2, alrs_phase=0.6, alrs_ramp=3)
+    mcfg, full = tiny_configs(model=ALRS_MODEL, out_dir=str(tmp_path / "full"), **over)
+    res = train(mcfg, full)
+    _, half = tiny_configs(model=ALRS_MODEL, out_dir=str(tmp_path / "half"), stop_step=5, **over)
+    train(mcfg, half)
+    _, rest = tiny_configs(model=ALRS_MODEL, out_dir=str(tmp_path / "half"), resume=True, **over)
+    train(mcfg, rest)
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "half")
+    assert [r["alrs_step"] for r in a if "alrs_step" in r] == [0, 2, 4, 6]
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    keys = ("loss", "lr", "grad_norm", "val_loss", "alrs_alpha", "alrs_multiplier")
+    for ra, rb in zip(a, b):
+        assert {k: ra[k] for k in keys if k in ra} == {k: rb[k] for k in keys if k in rb}
+    assert res["alrs_plot"].endswith("alrs.png")
+
+
+DDP_SCRIPT = """
+import json, os, sys
+import torch
+from minimal_asymloop import alrs
+from minimal_asymloop.model import ModelConfig
+from minimal_asymloop.trainer import TrainConfig, train
+
+rank = int(os.environ["RANK"])
+
+
+class Recorded(alrs.ALRS):
+    # rank 1's weights get a heavy tail before the first allocation, so a fit of its own would differ
+    def on_step(self, step, model, optimizer):
+        if step == 0 and rank == 1:
+            torch.manual_seed(5)
+            w = model.decoder[0].mlp.up.weight
+            with torch.no_grad():
+                w.add_(torch.distributions.StudentT(1.5).sample(w.shape) * 0.05)
+            self.local = alrs.matrix_alphas(model, self.fit)
+        self.lrs.append([g["lr"] for g in optimizer.param_groups])  # set by the trainer for the previous step
+        record = super().on_step(step, model, optimizer)
+        self.lr_mults.append([g["lr_mult"] for g in optimizer.param_groups])
+        out = dict(lrs=self.lrs[1:], lr_mults=self.lr_mults, alphas=self.alphas, local=getattr(self, "local", None))
+        with open(os.path.join(sys.argv[3], f"lrs_rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+        return record
+
+
+mcfg, tcfg = ModelConfig(**json.loads(sys.argv[1])), TrainConfig(**json.loads(sys.argv[2]))
+hook = Recorded(tcfg.total_steps(), "hill_median", every=2, phase=1.0, ramp=1)
+hook.lrs, hook.lr_mults = [], []
+train(mcfg, tcfg, lr_hook=hook)
+"""
+
+
+@pytest.mark.slow  # two torch processes start up under torchrun (~15-25 s on a shared 2-core box)
+def test_ddp_alrs_gives_every_rank_the_same_lrs(data_cache, tmp_path):
+    import json
+    import os
+    from pathlib import Path
+
+    from conftest import DATA, MODEL
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "ddp_alrs.py"
+    script.write_text(DDP_SCRIPT)
+    mcfg = dict(MODEL, **ALRS_MODEL, arch="asymloop")
+    tcfg = dict(DATA, data_cache=str(data_cache), out_dir=str(tmp_path / "out"), seq_len=32, global_batch=8, micro_batch=2,
+                max_steps=6, lr=3e-3, eval_interval=6, eval_batches=2, device="cpu", dtype="float32", quiet=True, seed=0)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           json.dumps(mcfg), json.dumps(tcfg), str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"lrs_rank{r}.json").read_text()) for r in (0, 1))
+    assert len(r0["lrs"]) == 5 and r0["lrs"] == r1["lrs"] and r0["lr_mults"] == r1["lr_mults"]
+    assert r0["alphas"] == r1["alphas"]
+    assert r1["local"] != r0["alphas"]  # rank 1 alone would have allocated differently
+    assert len({m for row in r0["lr_mults"] for m in row}) > 2  # the multipliers really vary

@@ -154,3 +154,33 @@ def test_corrupt_missing_and_newer_checkpoints_are_clear_errors(tiny_checkpoint,
     (bad / "state.pt").unlink()
     with pytest.raises(ckpt.CheckpointError, match="incomplete: missing state.pt"):
         ckpt.load_model(bad)
+
+
+def test_cli_public_flags_and_override_parsing():
+    p = train_minimal.build_parser()
+    flags = {o for a in p._actions for o in a.option_strings}
+    public = {"--size", "--arch", "--n-iter", "--data", "--out-dir", "--device", "--dtype", "--compile", "--max-steps", "--seed",
+              "--resume", "--micro-batch", "--tokens", "--eval-interval", "--eval-batches"}
+    assert public <= flags
+    args = vars(p.parse_args(["--compile", "--qk-norm", "false", "--tokens", "1.68e9", "--n-enc", "none", "--lr", "3e-4"]))
+    assert args == dict(size="tiny", arch="asymloop", compile=True, qk_norm=False, tokens=1_680_000_000, n_enc=None, lr=3e-4)
+    cfg = TrainConfig.from_preset("60m")
+    assert (cfg.seq_len, cfg.global_batch, cfg.lr, cfg.weight_decay, cfg.grad_clip, cfg.tokenizer) == (1024, 512, 1e-3, 0.1, 1.0, "t5")
+    assert cfg.total_steps() == 3205 and TrainConfig.from_preset("60m", max_steps=7).total_steps() == 7
+
+
+def test_no_argument_run_machinery_cut_down(data_cache, tmp_path, capsys):
+    """`python train_minimal.py` as shipped (tiny preset: d 192, 4 blocks, AsymLoop K=3, batch 16), cut to
+    12 steps at seq 64 on the test slice of the stdlib corpus (its BPE has 512 tokens, hence --vocab-size 512)."""
+    out = tmp_path / "noarg"
+    train_minimal.main(["--max-steps", "12", "--seq-len", "64", "--eval-interval", "12", "--eval-batches", "2",
+                        "--vocab-size", "512", "--bpe-vocab", "512", "--max-data-tokens", "150000", "--val-fraction", "0.2",
+                        "--data-cache", str(data_cache), "--out-dir", str(out)])
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    for expected in ("asymloop K=3", "effective depth 8", "MFLOPs/token", "1,024 tokens/step", "12 steps", "unigram entropy",
+                     "final val loss"):
+        assert expected in text, expected
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    assert len(rows) == 12 and rows[-1]["loss"] < rows[0]["loss"] - 0.5, (rows[0]["loss"], rows[-1]["loss"])
+    assert ckpt.read_meta(out)["model_config"]["d_model"] == 192 and (out / "loss.png").exists()

@@ -1,0 +1,268 @@
+"""Evaluate a checkpoint: held-out cross-entropy and perplexity, and the paper's commonsense tasks.
+
+    python -m minimal_asymloop.evaluate --ckpt out                      # val CE and perplexity (the run's own data)
+    python -m minimal_asymloop.evaluate --ckpt out --n-iter 5           # at test-time depth K=5
+    python -m minimal_asymloop.evaluate --ckpt out --data notes/*.txt   # on the held-out part of other data
+    python -m minimal_asymloop.evaluate --ckpt out --tasks paper --num-fewshot 0   # + the paper's table (lm-eval)
+
+Results are printed and written as JSON (default: eval_k{K}.json in the checkpoint folder). The
+tasks run through lm-evaluation-harness with its standard prompts, via the adapter in harness.py;
+lm-eval is an optional extra: pip install -e ".[eval]".
+"""
+
+import argparse
+import importlib.metadata
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# The paper's seven zero/five-shot tasks in its table's order: our name -> (column, lm-eval task name)
+PAPER_TASKS = {
+    "piqa": ("PIQA", "piqa"),
+    "siqa": ("SIQA", "social_iqa"),
+    "hellaswag": ("HellaSwag", "hellaswag"),
+    "winogrande": ("WinoGrande", "winogrande"),
+    "arc_easy": ("ARC-e", "arc_easy"),
+    "arc_challenge": ("ARC-c", "arc_challenge"),
+    "openbookqa": ("OBQA", "openbookqa"),
+}
+LM_EVAL_MISSING = 'lm-eval is not installed; install the optional extra with  pip install -e ".[eval]"  (or pip install "lm-eval>=0.4.3")'
+
+
+# ----------------------------------------------------------------------------- held-out perplexity
+
+
+def held_out_tokens(meta: dict, tokenizer, source: str | None, n_tokens: int | None, quiet: bool = False):
+    """The held-out token split to score, as `data.Tokens`.
+
+    No source: the run's own prepared val split (data_cache). A source: its held-out documents
+    (the same hash rule the trainer uses), tokenized with the checkpoint's tokenizer, streamed
+    until n_tokens (None: all). The run's data, when its cache is gone, is streamed the same way.
+    """
+    from minimal_asymloop import data as D
+
+    tc, dm = meta["train_config"], meta["data"]
+    if source is None:
+        try:  # the exact arguments the run prepared with: same cache key, no re-preparation
+            tk = dm["tokenizer"]
+            bpe = dict(bpe_vocab=tk["vocab"], bpe_sample_chars=tk["sample_chars"]) if tk["name"] == "bpe" else {}
+            prepared = D.prepare(tc["data"], tc["tokenizer"], cache_dir=tc["data_cache"], max_tokens=dm["identity"]["max_tokens"],
+                                 val_fraction=tc["val_fraction"], build=False, **bpe)
+            if prepared.tokenizer.to_str() == tokenizer.to_str():
+                return prepared.val
+        except (FileNotFoundError, D.DataError):
+            pass
+        source = tc["data"]
+        if not quiet:
+            print(f"the run's prepared data is not in {tc['data_cache']}; tokenizing the held-out documents of {source!r} again")
+    ident = D.source_identity(source, None)
+    # the checkpoint's held-out rule; (ours) data.prepare's default fraction when the run left it unset
+    val_fraction = tc["val_fraction"] or (0.005 if ident["kind"] == "fineweb-edu" else 0.05)
+    eot, ids = D.eot_id(tokenizer), []
+    for key, text in D.iter_documents(source, ident):
+        if D.is_val(key, val_fraction):
+            ids += tokenizer.encode(text, add_special_tokens=False).ids + [eot]  # documents joined as in training
+            if n_tokens and len(ids) >= n_tokens:
+                break
+    if len(ids) < max(2, n_tokens or 0):
+        raise D.DataError(f"{source!r} has {len(ids)} held-out tokens (val_fraction={val_fraction}), fewer than the "
+                          f"{n_tokens} needed; pass --eval-batches all or a smaller number, or use more data")
+    dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
+    fd, path = tempfile.mkstemp(suffix=".bin")
+    os.close(fd)
+    np.asarray(ids, dtype=dtype).tofile(path)
+    tokens = D.Tokens([Path(path)], dtype)
+    try:
+        os.unlink(path)  # the memory map keeps the data alive (POSIX); on Windows the temp file stays
+    except OSError:
+        pass
+    return tokens
+
+
+@torch.no_grad()
+def held_out_loss(model, tokens, seq_len: int, batch_size: int, n_batches: int | None, device, dtype,
+                  micro_batch: int | None = None) -> dict:
+    """Mean CE (nats/token) and perplexity through the trainer's own `evaluate_loss`.
+
+    n_batches=None covers the whole split: evaluate_loss spreads its windows evenly, so with
+    (len-1)//seq_len of them they tile it (ours).
+    """
+    from minimal_asymloop.trainer import evaluate_loss
+
+    if n_batches is None:
+        n_batches = max(1, (len(tokens) - 1) // seq_len // batch_size)
+    ce = evaluate_loss(model, tokens, seq_len, batch_size, n_batches, device, dtype, micro_batch)
+    return dict(ce=ce, ppl=math.exp(ce), tokens=n_batches * batch_size * seq_len, seq_len=seq_len,
+                batch_size=batch_size, n_batches=n_batches)
+
+
+# ----------------------------------------------------------------------------- lm-eval tasks
+
+
+def hub_offline_reason() -> str | None:
+    """Why Hub data can only come from the local cache (offline flags, or an unreachable Hub), or None.
+
+    When the Hub is unreachable, switch offline mode on: `datasets` would otherwise retry for
+    ~30 s per task before failing, and data already in the cache still loads.
+    """
+    from minimal_asymloop.data import DataError, require_hub
+
+    try:
+        require_hub("the tasks' data", alternatives="")
+        return None
+    except DataError as e:
+        reason = str(e).rstrip("; ")
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    for mod in ("huggingface_hub.constants", "datasets.config"):  # already imported: they read the env at import
+        if mod in sys.modules:
+            sys.modules[mod].HF_HUB_OFFLINE = True
+    return reason
+
+
+def load_tasks(names: list[str], include_path: str | None = None):
+    """(task manager, {name: lm-eval Task}) for our task names (paper names map to lm-eval's); fails fast, saying why."""
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    lm_names = [PAPER_TASKS[n][1] if n in PAPER_TASKS else n for n in names]
+    # index only the paper's task folders (+ yours): seconds, where all ~15k built-in tasks take ~20 s
+    root = Path(lm_eval.tasks.__file__).parent
+    dirs = sorted({str(root / d) for d in ("piqa", "siqa", "hellaswag", "winogrande", "arc", "openbookqa")})
+    tm = TaskManager(include_defaults=False, include_path=dirs + ([include_path] if include_path else []))
+    if any(n not in tm.all_tasks for n in lm_names):
+        tm = TaskManager(include_path=include_path)
+    unknown = [n for n in lm_names if n not in tm.all_tasks]
+    if unknown:
+        raise SystemExit(f"error: unknown task(s) {', '.join(unknown)}; the paper's are {', '.join(PAPER_TASKS)}, "
+                         f"any lm-eval task name works (list them with `lm_eval ls tasks`), or pass --include-path DIR for your own YAML")
+    offline = hub_offline_reason()
+    try:  # TaskManager.load is lm-eval >= 0.4.10's API; get_task_dict the older one
+        return tm, (tm.load(lm_names)["tasks"] if hasattr(tm, "load") else get_task_dict(lm_names, tm))
+    except (ConnectionError, FileNotFoundError) as e:  # OfflineModeIsEnabled and "not on the Hub" are among these
+        raise SystemExit(f"error: cannot load the task data ({e}): {offline or 'the Hub did not serve it'}. lm-eval's tasks "
+                         f"download their data from the Hub once and then read it from the local cache: run once with the Hub "
+                         f"reachable, and offline works after that.") from None
+
+
+def run_tasks(lm, tasks, num_fewshot: int, limit=None) -> dict:
+    """lm-eval's simple_evaluate over load_tasks' result -> {task name: {metric: value}}, plus its version."""
+    import lm_eval
+
+    tm, task_dict = tasks  # passing our task manager spares simple_evaluate a full index of lm-eval's tasks
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(task_dict.values()), num_fewshot=num_fewshot, limit=limit,
+                                  log_samples=False, task_manager=tm)
+    res = {name: {k.split(",")[0]: v for k, v in r.items() if "," in k} for name, r in out["results"].items()}
+    return dict(results=res, lm_eval_version=importlib.metadata.version("lm_eval"))  # old lm-evals have no __version__
+
+
+def paper_table(results: dict, names: list[str], metric: str, label: str) -> tuple[str, float]:
+    """The paper's table layout: one row, a column per task (%), and the unweighted mean."""
+    cols, vals = [], []
+    for n in names:
+        col, lm_name = PAPER_TASKS.get(n, (n, n))
+        r = results[lm_name]
+        vals.append(100 * r.get(metric, r["acc"]))  # SIQA and WinoGrande report acc only
+        cols.append(col + ("" if metric in r or metric == "acc" else "†"))
+    mean = sum(vals) / len(vals)
+    rows = [f"| Model | {' | '.join(cols)} | Avg. |", "|---|" + "---:|" * (len(cols) + 1),
+            f"| {label} | {' | '.join(f'{v:.2f}' for v in vals)} | {mean:.2f} |"]
+    return "\n".join(rows), mean
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def write_json(path: Path, obj: dict):
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)  # atomic
+
+
+def _batches(s: str):
+    if s == "all" or (s.isdigit() and int(s) > 0):
+        return s if s == "all" else int(s)
+    raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', got {s!r}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint) or a checkpoint folder")
+    p.add_argument("--data", default=None, help="score the held-out part of this source instead of the run's own data")
+    p.add_argument("--n-iter", type=int, default=None, help="test-time depth K (default: the trained K)")
+    p.add_argument("--eval-batches", type=_batches, default=None, help="val batches (default: the run's eval_batches, so the loss matches "
+                                                         "its log), or 'all' for the whole held-out split")
+    p.add_argument("--tasks", default=None, help=f"comma-separated lm-eval tasks, or 'paper' for {','.join(PAPER_TASKS)}")
+    p.add_argument("--num-fewshot", type=int, default=0, help="the paper reports 0 and 5")
+    p.add_argument("--metric", default="acc", choices=["acc", "acc_norm"], help="table metric (acc_norm where the task has it)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many examples per task (quick checks only)")
+    p.add_argument("--include-path", default=None, help="a folder of your own lm-eval task YAMLs")
+    p.add_argument("--batch-size", type=int, default=16, help="lm-eval requests per forward pass")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--out", default=None, help="JSON path (default: <checkpoint>/eval_k{K}.json)")
+    args = p.parse_args(argv)
+    if args.num_fewshot < 0:
+        p.error(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+
+    names = None
+    if args.tasks:  # check lm-eval and the task data first: a missing extra or an offline Hub fails in seconds
+        try:
+            import lm_eval  # noqa: F401
+        except ImportError:
+            raise SystemExit(f"error: --tasks needs lm-eval: {LM_EVAL_MISSING}") from None
+        names = list(PAPER_TASKS) if args.tasks == "paper" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+        tasks = load_tasks(names, args.include_path)
+
+    from minimal_asymloop.checkpoint import CheckpointError, load_model
+    from minimal_asymloop.data import DataError
+
+    try:
+        model, tokenizer, meta = load_model(args.ckpt, device=args.device)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    cfg, tc = model.config, meta["train_config"]
+    if args.n_iter is not None:
+        if args.n_iter < 1 or cfg.arch == "dense":
+            raise SystemExit(f"error: --n-iter {args.n_iter}: K must be >= 1, and only full_loop/asymloop loop (this is {cfg.arch})")
+        cfg.n_iter = args.n_iter  # states() reads K from the config, so the trainer's evaluate_loss runs at this depth
+    dtype = getattr(torch, args.dtype)
+    batch, micro = tc["global_batch"], tc.get("micro_batch")  # the trainer's eval windows: batches of global_batch
+    n_batches = None if args.eval_batches == "all" else args.eval_batches or tc["eval_batches"]
+    n_tokens = None if n_batches is None else n_batches * batch * tc["seq_len"] + 1
+    try:
+        tokens = held_out_tokens(meta, tokenizer, args.data, n_tokens)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    report = dict(ckpt=meta["path"], step=meta.get("step"), arch=cfg.arch, n_iter=cfg.n_iter, trained_n_iter=meta["model_config"]["n_iter"],
+                  data=args.data or meta["data"]["source"], dtype=args.dtype)
+    report["val"] = held_out_loss(model, tokens, tc["seq_len"], batch, n_batches, args.device, dtype, micro)
+    v = report["val"]
+    print(f"{cfg.arch} K={cfg.n_iter} step {report['step']} on {report['data']} (held out, {v['tokens']:,} tokens): "
+          f"cross-entropy {v['ce']:.4f} nats/token, perplexity {v['ppl']:.2f}")
+
+    if names:
+        from minimal_asymloop.harness import AsymLoopLM
+
+        lm = AsymLoopLM(model=model, tokenizer=tokenizer, n_iter=cfg.n_iter, batch_size=args.batch_size, device=args.device,
+                        dtype=args.dtype)
+        out = run_tasks(lm, tasks, args.num_fewshot, args.limit)
+        table, mean = paper_table(out["results"], names, args.metric, f"{cfg.arch} K={cfg.n_iter}")
+        report["tasks"] = dict(out, num_fewshot=args.num_fewshot, metric=args.metric, mean=mean, limit=args.limit)
+        note = "; † acc (the task has no acc_norm)" if "†" in table else ""
+        print(f"\nlm-eval {out['lm_eval_version']}, {args.num_fewshot}-shot, {args.metric} (%){note}"
+              f"{f', first {args.limit} examples per task' if args.limit else ''}:\n{table}")
+
+    out_path = Path(args.out) if args.out else Path(meta["path"]) / f"eval_k{cfg.n_iter}.json"
+    write_json(out_path, report)
+    print(f"wrote {out_path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Bad input: every case ends in ONE line naming the problem and the fix, through the command line a user runs.
+
+One table-driven test; each row builds what it needs (files, a broken checkpoint) and names the expected last line.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import DATA, MODEL
+
+import train_minimal
+from minimal_asymloop import checkpoint as ckpt
+from minimal_asymloop import sample
+from minimal_asymloop.model import ModelConfig
+
+
+def _train_argv(data_cache, out, *extra):
+    """The CLI for the conftest test model and data slice, 2 steps."""
+    model = [a for k, v in MODEL.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    data = ["--data", DATA["data"], "--bpe-vocab", str(DATA["bpe_vocab"]), "--max-data-tokens", str(DATA["max_data_tokens"]),
+            "--val-fraction", str(DATA["val_fraction"]), "--data-cache", str(data_cache)]
+    run = ["--seq-len", "32", "--global-batch", "8", "--micro-batch", "8", "--max-steps", "2", "--eval-interval", "2",
+           "--eval-batches", "1", "--device", "cpu", "--dtype", "float32", "--seed", "0", "--quiet", "--out-dir", str(out)]
+    return model + data + run + list(extra)
+
+
+@pytest.fixture(scope="module")
+def cli_run(data_cache, tmp_path_factory):
+    """out_dir of a finished 2-step CLI run (asymloop), to resume with bad settings or a broken checkpoint."""
+    out = tmp_path_factory.mktemp("cli_run") / "out"
+    train_minimal.main(_train_argv(data_cache, out))
+    return out
+
+
+def _copy_run(run: Path, dst: Path) -> Path:
+    shutil.copytree(run, dst, symlinks=True)
+    return dst
+
+
+def _ckpt_copy(tiny_checkpoint, dst: Path) -> Path:
+    shutil.copytree(ckpt.find_checkpoint(tiny_checkpoint), dst)
+    return dst
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path.parent
+
+
+def _edit_meta(folder: Path, **changes) -> Path:
+    meta = json.loads((folder / "meta.json").read_text())
+    meta.update(changes)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+def _without(folder: Path, name: str) -> Path:
+    (folder / name).unlink()
+    return folder
+
+
+def _truncate(file: Path) -> Path:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    return file.parent
+
+
+def _small_corpus(folder: Path) -> Path:
+    for i in range(8):  # eight short documents: both splits get some, but the train split holds far less than one batch
+        _write(folder / f"doc{i}.txt", f"def f{i}(x):\n    return x + {i}\n".encode())
+    return folder
+
+
+DENSE = ModelConfig(arch="dense", **MODEL).to_dict()  # asymloop weights under a dense config: another architecture's checkpoint
+
+# (id, command line: "train" or "sample", argv builder (data_cache, tmp, cli_run, tiny_checkpoint) -> argv, expected in the last line)
+T, S = "train", "sample"
+CASES = [
+    ("unknown-size", T, lambda d, t, r, c: _train_argv(d, t / "o", "--size", "7b"), "unknown size '7b'; choose one of tiny, 60m"),
+    ("unknown-arch", T, lambda d, t, r, c: _train_argv(d, t / "o", "--arch", "loop"), "unknown arch 'loop'; choose one of dense"),
+    ("unknown-key", T, lambda d, t, r, c: _train_argv(d, t / "o", "--d-modle", "64"), "unknown option '--d-modle'; did you mean --d-model"),
+    ("wrong-type-float", T, lambda d, t, r, c: _train_argv(d, t / "o", "--lr", "fast"), "argument --lr: expected a number, got 'fast'"),
+    ("wrong-type-int", T, lambda d, t, r, c: _train_argv(d, t / "o", "--n-layer", "2.5"),
+     "argument --n-layer: expected an integer, got '2.5'"),
+    ("wrong-type-bool", T, lambda d, t, r, c: _train_argv(d, t / "o", "--qk-norm", "maybe"),
+     "argument --qk-norm: expected true or false, got 'maybe'"),
+    ("n_iter<1", T, lambda d, t, r, c: _train_argv(d, t / "o", "--n-iter", "0"), "n_iter (K) must be an integer >= 1, got 0"),
+    ("n_enc-out-of-range", T, lambda d, t, r, c: _train_argv(d, t / "o", "--n-enc", "2"),
+     "n_enc=2 must be in 1..1 (n_layer=2) so encoder and decoder are non-empty"),
+    ("seq_len>max_seq_len", T, lambda d, t, r, c: _train_argv(d, t / "o", "--seq-len", "128"),
+     "seq_len=128 exceeds the model's max_seq_len=64; set --max-seq-len 128"),
+    ("data-missing", T, lambda d, t, r, c: _train_argv(d, t / "o", "--data", str(t / "nope.txt")), "no data files found at"),
+    ("data-empty", T, lambda d, t, r, c: _train_argv(d, t / "o", "--data", str(_write(t / "e" / "a.txt", b""))),
+     "are empty (1 file(s), 0 bytes); point --data at files with text"),
+    ("data-unreadable-parquet", T, lambda d, t, r, c: _train_argv(d, t / "o", "--data", str(_write(t / "p" / "a.parquet", b"junk"))),
+     "could not read the data at"),
+    ("data-unreadable-jsonl", T, lambda d, t, r, c: _train_argv(d, t / "o", "--data", str(_write(t / "j" / "a.jsonl", b'{"text": "a"\n'))),
+     "JSON parse error"),
+    ("data-not-utf8", T, lambda d, t, r, c: _train_argv(d, t / "o", "--data", str(_write(t / "l" / "a.txt", b"caf\xe9 ol\xe9\n"))),
+     "a.txt (byte 0xe9 at offset 3) is not UTF-8 text; convert it (e.g. iconv -f latin1 -t utf-8) or remove it"),
+    ("split-smaller-than-a-batch", T, lambda d, t, r, c: _train_argv(d, t / "o", "--data", str(_small_corpus(t / "s")),
+                                                                    "--val-fraction", "0.5", "--data-cache", str(t / "dc")),
+     "fewer than one batch of 8 sequences; use more data or a smaller --global-batch / --seq-len"),
+    ("tokenizer-vocab-mismatch", T, lambda d, t, r, c: _train_argv(d, t / "o", "--vocab-size", "256"),
+     "tokenizer has 512 tokens but the model's vocab_size is 256; set --vocab-size 512"),
+    ("out-dir-unwritable", T, lambda d, t, r, c: _train_argv(d, _write(t / "f", b"x") / "f" / "out"),
+     "(Not a directory); choose a writable --out-dir"),
+    ("resume-no-checkpoint", T, lambda d, t, r, c: _train_argv(d, t / "o", "--resume"), "no checkpoint at"),
+    ("resume-other-arch", T, lambda d, t, r, c: _train_argv(d, r, "--resume", "--arch", "full_loop"),
+     "the config differs from the checkpoint's (arch: 'asymloop' -> 'full_loop'"),
+    ("resume-corrupt-state", T, lambda d, t, r, c: _train_argv(d, _write(_copy_run(r, t / "r") / "latest" / "state.pt", b"junk")
+                                                               .parent, "--resume"), "is corrupt: state.pt cannot be loaded"),
+    ("ckpt-other-arch", S, lambda d, t, r, c: ["--ckpt", str(_edit_meta(_ckpt_copy(c, t / "k"), model_config=DENSE))],
+     "does not match its model config"),
+    ("ckpt-truncated", S, lambda d, t, r, c: ["--ckpt", str(_truncate(_ckpt_copy(c, t / "k") / "model.safetensors"))],
+     "is corrupt or truncated: model.safetensors cannot be read"),
+    ("ckpt-corrupt-meta", S, lambda d, t, r, c: ["--ckpt", str(_write(_ckpt_copy(c, t / "k") / "meta.json", b"{"))],
+     "is corrupt: meta.json is not valid JSON"),
+    ("ckpt-incomplete", S, lambda d, t, r, c: ["--ckpt", str(_without(_ckpt_copy(c, t / "k"), "state.pt"))],
+     "is incomplete: missing state.pt"),
+    ("ckpt-newer-format", S, lambda d, t, r, c: ["--ckpt", str(_edit_meta(_ckpt_copy(c, t / "k"), format_version=ckpt.FORMAT_VERSION + 1))],
+     f"has format_version {ckpt.FORMAT_VERSION + 1}, newer than this code's {ckpt.FORMAT_VERSION}; update minimal-asymloop to load it"),
+    ("ckpt-missing", S, lambda d, t, r, c: ["--ckpt", str(t / "nothing")], "no checkpoint at"),
+]
+
+
+@pytest.mark.parametrize("name, cli, argv, expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_clear_line(name, cli, argv, expected, data_cache, tmp_path, cli_run, tiny_checkpoint, capsys):
+    args = argv(data_cache, tmp_path, cli_run, tiny_checkpoint)
+    main = train_minimal.main if cli == T else sample.main
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if isinstance(e.value.code, str):  # sys.exit("error: ..."): Python prints exactly this line to stderr
+        line = e.value.code
+        assert "\n" not in line and line.startswith("error: ")
+    else:  # argparse: usage, then "prog: error: ..." as the last line, exit code 2
+        assert e.value.code == 2
+        line = err.strip().splitlines()[-1]
+        assert ": error: " in line
+    assert expected in line, line
