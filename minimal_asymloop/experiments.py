@@ -42,7 +42,8 @@ RUNS = REPO / "out" / "experiments"
 # (ours) the tiny LM setting of every experiment
 LM = dict(n_layer=4, d_model=128, n_head=4, d_ff=384, vocab_size=2048, max_seq_len=64, qk_norm=True)
 TRAIN = dict(data="stdlib", tokenizer="bpe", bpe_vocab=2048, data_cache=DATA_CACHE, seq_len=64, global_batch=16,
-             lr=3e-3, eval_batches=16, quiet=True, device="cpu", dtype="float32")
+             lr=3e-3, eval_batches=16, quiet=True, device="cpu", dtype="float32",
+             alrs=False)  # uniform LR unless an experiment passes ALRS explicitly (the trainer turns it on for asymloop)
 STEPS = 200
 SEEDS = (0,)  # (ours) one seed fits the CPU budget; --seeds 0 1 2 measures the seed spread
 MAX_TEST_K = 8  # test-time depth: evaluate up to this K
