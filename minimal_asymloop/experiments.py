@@ -1,0 +1,271 @@
+"""Longer experiments behind the notebooks, precomputed on a CPU into small JSON files.
+
+    python -m minimal_asymloop.experiments all            # every experiment (see below for its cost)
+    python -m minimal_asymloop.experiments matched_depth  # one of: matched_depth, global_kv, chain_task, alrs
+    python -m minimal_asymloop.experiments --list
+
+Results go to notebooks/results/<name>.json, which the notebooks plot; each notebook also runs a small
+live version of the same code. All LM runs share one tiny setting (ours, sized for a CPU): the stdlib
+corpus with a 2048-token BPE, d_model 128, L = 4 (E = D = 2), seq 64, batch 16, QKNorm on in EVERY
+model (as in the paper's context-access study), so architectures differ only in what the paper varies.
+Runs are compared within a seed (same init seed, same data order) and the spread over seeds is kept.
+
+Cost, measured on the shared 2-core development machine under heavy load (each run got about a quarter of a
+core): matched_depth 50 min, global_kv 27 min (its K=1 run duplicates Dense exactly), alrs 22 min, chain_task
+36 min of training; several can run in parallel processes. Finished runs are cached in out/experiments/ and
+reused, so an interrupted command continues where it stopped.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minimal_asymloop.checkpoint import load_model, read_meta
+from minimal_asymloop.data import eval_windows, prepare
+from minimal_asymloop.model import LoopedLM, ModelConfig, count_params
+from minimal_asymloop.probes import global_attention_share, logit_lens, state_change
+from minimal_asymloop.tasks import ChainTask, accuracy_by_hops, train_on_task
+from minimal_asymloop.trainer import TrainConfig, read_metrics, train
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "notebooks" / "results"
+DATA_CACHE = str(REPO / "data_cache")  # one cache shared by the notebooks, whatever their cwd
+RUNS = REPO / "out" / "experiments"
+
+# (ours) the tiny LM setting of every experiment
+LM = dict(n_layer=4, d_model=128, n_head=4, d_ff=384, vocab_size=2048, max_seq_len=64, qk_norm=True)
+TRAIN = dict(data="stdlib", tokenizer="bpe", bpe_vocab=2048, data_cache=DATA_CACHE, seq_len=64, global_batch=16,
+             lr=3e-3, eval_batches=16, quiet=True, device="cpu", dtype="float32",
+             alrs=False)  # uniform LR unless an experiment passes ALRS explicitly (the trainer turns it on for asymloop)
+STEPS = 200
+SEEDS = (0,)  # (ours) one seed fits the CPU budget; --seeds 0 1 2 measures the seed spread
+MAX_TEST_K = 8  # test-time depth: evaluate up to this K
+
+
+def lm_config(arch: str, **kw) -> ModelConfig:
+    return ModelConfig(arch=arch, **{**LM, **kw})
+
+
+def train_config(steps: int, seed: int, out_dir, **kw) -> TrainConfig:
+    return TrainConfig(**{**TRAIN, "max_steps": steps, "eval_interval": steps, "seed": seed, "out_dir": str(out_dir), **kw})
+
+
+def train_lm(model_cfg: ModelConfig, train_cfg: TrainConfig, lr_hook=None, reuse: bool = False):
+    """Train with the package's trainer; return (result dict, trained model in eval mode).
+
+    reuse=True (ours): if out_dir already holds the finished run of exactly these configs, load it instead
+    of training again, so an interrupted `experiments` command continues where it stopped. The LR hook is
+    not part of the check: give runs with and without one different out_dirs.
+    """
+    if reuse and (Path(train_cfg.out_dir) / "latest").exists():
+        meta = read_meta(train_cfg.out_dir)
+        if (meta["step"] == train_cfg.total_steps() and _same(meta["model_config"], model_cfg.to_dict())
+                and _same(meta["train_config"], asdict(train_cfg))):
+            model, _, _ = load_model(train_cfg.out_dir)
+            history = read_metrics(train_cfg.out_dir)
+            seconds = sum(r.get("step_s", 0.0) for r in history)  # training time of the original run (steps only)
+            return dict(val_loss=meta["val_loss"], history=history, seconds=seconds, reused=True), model
+    result = train(model_cfg, train_cfg, lr_hook=lr_hook)
+    model, _, _ = load_model(train_cfg.out_dir)
+    return result, model
+
+
+def _same(stored: dict, now: dict) -> bool:
+    """A stored config equals the current one on every stored key (fields added to the dataclass later are new)."""
+    return all(now.get(k) == v for k, v in stored.items() if k not in ("quiet", "resume"))
+
+
+def probe_batch(n: int = 32, seq_len: int = TRAIN["seq_len"], seed_offset: int = 0):
+    """Fixed (idx, targets) windows spread over the stdlib val split, for the probes."""
+    data = prepare("stdlib", "bpe", TRAIN["bpe_vocab"], cache_dir=DATA_CACHE, quiet=True)
+    starts = eval_windows(data.val, seq_len, n + seed_offset)[seed_offset:]
+    w = torch.from_numpy(np.stack([data.val.window(int(s), seq_len + 1) for s in starts]))
+    return w[:, :-1], w[:, 1:]
+
+
+def describe_budget(model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
+    tokens = train_cfg.total_steps() * train_cfg.global_batch * train_cfg.seq_len
+    params = count_params(model_cfg)
+    return dict(params=params, tokens=tokens, tokens_per_param=tokens / params)
+
+
+def probes(model, idx, targets) -> dict:
+    """Logit lens / test-time depth up to MAX_TEST_K, state change, and Global-KV attention share."""
+    cfg = model.config
+    out = {}
+    if cfg.arch != "dense":
+        out["lens_loss"] = logit_lens(model, idx, targets, MAX_TEST_K)  # index k-1: head on z_k
+        out["state_change"] = state_change(model, idx, MAX_TEST_K)
+    if cfg.arch == "asymloop" and cfg.context == "global_kv":
+        out["global_share"] = global_attention_share(model, idx, cfg.n_iter).tolist()  # (K, D)
+    return out
+
+
+def run_lm(name: str, model_cfg: ModelConfig, seed: int, steps: int, batch, lr_hook=None) -> dict:
+    out_dir = RUNS / f"{name}-s{seed}"
+    train_cfg = train_config(steps, seed, out_dir)
+    t0 = time.time()
+    result, model = train_lm(model_cfg, train_cfg, lr_hook, reuse=True)
+    row = dict(name=name, seed=seed, arch=model_cfg.arch, n_iter=model_cfg.n_iter, context=model_cfg.context,
+               effective_depth=model_cfg.effective_depth, val_loss=result["val_loss"], seconds=result.get("seconds", time.time() - t0),
+               train_loss=[(r["step"], r["loss"]) for r in result["history"] if "loss" in r],
+               **describe_budget(model_cfg, train_cfg), **probes(model, *batch))
+    print(f"  {name:>18} seed {seed}: val loss {row['val_loss']:.4f}  ({row['seconds']:.0f}s)", flush=True)
+    return row
+
+
+# ----------------------------------------------------------------------------- the experiments
+
+
+def matched_depth(quick=False):
+    """Dense vs AsymLoop K=1 (depth 4) and Full Loop K=2 vs AsymLoop K=3 (depth 8), per seed."""
+    steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
+    batch = probe_batch()
+    models = {"dense": lm_config("dense"), "asymloop_k1": lm_config("asymloop", n_iter=1),
+              "full_loop_k2": lm_config("full_loop", n_iter=2), "asymloop_k3": lm_config("asymloop", n_iter=3)}
+    runs = [run_lm(name, cfg, seed, steps, batch) for seed in seeds for name, cfg in models.items()]
+    return dict(setting=dict(model=LM, train={k: v for k, v in TRAIN.items() if k != "data_cache"}, steps=steps, seeds=list(seeds)),
+                runs=runs)
+
+
+def global_kv(quick=False):
+    """AsymLoop without Global KV (context='none') at K=1 and K=3, per seed; the with-Global-KV twins are
+    matched_depth's asymloop_k1/k3 runs (same configs and seeds), so run matched_depth first."""
+    steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
+    batch = probe_batch()
+    runs = [run_lm(f"asymloop_k{k}_no_global", lm_config("asymloop", n_iter=k, context="none"), seed, steps, batch)
+            for seed in seeds for k in (1, 3)]
+    return dict(setting=dict(model=LM, steps=steps, seeds=list(seeds)), runs=runs)
+
+
+def chain_task(quick=False):
+    """Variable-binding chains: accuracy by hops for AsymLoop (E=1, D=1) trained at K=1, 3 and Full Loop (L=2)
+    at K=2, each evaluated at test-time K=1..6."""
+    task = ChainTask(**CHAIN_TASK)
+    steps = 40 if quick else CHAIN_STEPS
+    runs = [chain_run(name, cfg, task, steps) for name, cfg in chain_models(task).items()]
+    return dict(setting=dict(task=CHAIN_TASK, model=CHAIN_MODEL, steps=steps, batch=CHAIN_BATCH), runs=runs)
+
+
+def chain_models(task: ChainTask) -> dict:
+    base = dict(CHAIN_MODEL, vocab_size=task.vocab_size, max_seq_len=task.seq_len)
+    # matched effective depth 4: AsymLoop E=1 + 3·D=1 vs Full Loop 2·L=2; AsymLoop K=1 (depth 2) as the shallow control
+    models = {f"asymloop_k{k}": ModelConfig(arch="asymloop", n_iter=k, **base) for k in (1, 3)}
+    models["full_loop_k2"] = ModelConfig(arch="full_loop", n_iter=2, **base)
+    return models
+
+
+def chain_run(name: str, cfg: ModelConfig, task: ChainTask, steps: int) -> dict:
+    """Train one model on the chain task (or reuse its saved result for the same setting)."""
+    path = RUNS / f"chain_{name}.json"
+    setting = dict(task=CHAIN_TASK, model=cfg.to_dict(), steps=steps, batch=CHAIN_BATCH)
+    if path.exists() and json.loads(path.read_text())["setting"] == setting:
+        return json.loads(path.read_text())["run"]
+    torch.manual_seed(0)
+    model = LoopedLM(cfg)
+    t0 = time.time()
+    losses = train_on_task(model, task, steps=steps, batch_size=CHAIN_BATCH, seed=0)
+    acc = {k: accuracy_by_hops(model, task, n_iter=k) for k in range(1, 7)}
+    run = dict(name=name, arch=cfg.arch, n_iter=cfg.n_iter, effective_depth=cfg.effective_depth,
+               params=count_params(cfg), seconds=time.time() - t0, loss=losses[:: max(1, steps // 100)],
+               acc_by_test_k={k: {str(h): a for h, a in v.items()} for k, v in acc.items()})
+    print(f"  {name:>14}: acc at trained K {acc[cfg.n_iter]} ({run['seconds']:.0f}s)", flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(setting=setting, run=run)))
+    return run
+
+
+CHAIN_TASK = dict(n_stmt=8, max_hops=3, n_vars=8, n_values=4)
+CHAIN_MODEL = dict(n_layer=2, d_model=64, n_head=4, d_ff=128, qk_norm=True)
+CHAIN_STEPS = 500
+CHAIN_BATCH = 64
+
+
+# (ours) the paper's schedule (allocate every 100 steps, 50-step ramps, freeze at 20%) scaled to a 200-step run
+ALRS_SCHEDULE = dict(every=20, ramp=10, phase=0.2)
+SPECTRA = ("decoder.0.mlp.up.weight", "encoder.0.attn.wq.weight")  # matrices whose eigenvalues are stored
+
+
+def alrs_records(rows: list[dict]) -> list[dict]:
+    """The allocations logged in a run's metrics, as {step, alpha, multiplier} (either logging key style)."""
+    out = []
+    for r in rows:
+        if "alrs_multiplier" in r:
+            out.append(dict(step=r["alrs_step"], alpha=r["alrs_alpha"], multiplier=r["alrs_multiplier"]))
+        elif r.get("kind") == "alrs":
+            out.append(dict(step=r["step"], alpha=r["alpha"], multiplier=r["multiplier"]))
+    return out
+
+
+def alrs_experiment(quick=False):
+    """AsymLoop K=3 with ALRS (uniform-LR twin: matched_depth's asymloop_k3), per seed; alphas and spectra."""
+    from minimal_asymloop import alrs
+
+    steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
+    batch = probe_batch()
+    cfg = lm_config("asymloop", n_iter=3)
+    runs = []
+    for seed in seeds:
+        hook = alrs.ALRS(steps, fit="ww", **ALRS_SCHEDULE)
+        row = run_lm("asymloop_k3_alrs", cfg, seed, steps, batch, lr_hook=hook)
+        row["alrs_records"] = alrs_records(read_metrics(RUNS / f"asymloop_k3_alrs-s{seed}"))
+        runs.append(row)
+    # alphas and spectra at init and after training with ALRS (seed 0)
+    trained, _, _ = load_model(RUNS / f"asymloop_k3_alrs-s{seeds[0]}")
+    torch.manual_seed(seeds[0])
+    init = LoopedLM(cfg)
+    spectra = {}
+    for tag, model in (("init", init), ("trained", trained)):
+        mats = alrs.tuned_matrices(model)
+        spectra[tag] = dict(alpha_ww={n: alrs.ww_alpha(w) for n, w in mats.items()},
+                            alpha_hill={n: alrs.hill_median_alpha(alrs.eigenvalues(w)) for n, w in mats.items()},
+                            eigenvalues={n: alrs.eigenvalues(mats[n]).tolist() for n in SPECTRA})
+    return dict(setting=dict(model=LM, steps=steps, seeds=list(seeds), schedule=ALRS_SCHEDULE), runs=runs, spectra=spectra)
+
+
+EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_task": chain_task, "alrs": alrs_experiment}
+
+
+def main(argv=None):
+    global SEEDS, STEPS
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("names", nargs="*", help=f"experiments to run: all or any of {', '.join(EXPERIMENTS)}")
+    p.add_argument("--list", action="store_true", help="list the experiments and exit")
+    p.add_argument("--quick", action="store_true", help="a few steps each, to check the pipeline (results NOT for the notebooks)")
+    p.add_argument("--seeds", type=int, nargs="+", help=f"LM experiments: seeds to run (default {' '.join(map(str, SEEDS))})")
+    p.add_argument("--steps", type=int, help=f"LM experiments: training steps per run (default {STEPS})")
+    p.add_argument("--out", default=str(RESULTS), help="folder for the JSON results (default notebooks/results)")
+    args = p.parse_args(argv)
+    if args.list or not args.names:
+        for name, fn in EXPERIMENTS.items():
+            print(f"{name:>14}  {fn.__doc__.splitlines()[0]}")
+        return
+    names = list(EXPERIMENTS) if args.names == ["all"] else args.names
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        sys.exit(f"unknown experiment(s) {unknown}; choose all or any of {', '.join(EXPERIMENTS)}")
+    SEEDS, STEPS = tuple(args.seeds or SEEDS), args.steps or STEPS
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        print(f"{name}:", flush=True)
+        t0 = time.time()
+        result = EXPERIMENTS[name](quick=args.quick)
+        result.update(experiment=name, command=f"python -m minimal_asymloop.experiments {name}" + (" --quick" if args.quick else ""),
+                      torch=torch.__version__, threads=torch.get_num_threads(), seconds=time.time() - t0)
+        path = out / f"{name}{'_quick' if args.quick else ''}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1, default=float))
+        os.replace(tmp, path)  # atomic
+        print(f"  wrote {path} ({result['seconds']:.0f}s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
