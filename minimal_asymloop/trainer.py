@@ -114,8 +114,7 @@ class TrainConfig:
             raise ConfigError(f"unknown tokenizer {self.tokenizer!r}; choose one of bpe, t5")
         if self.max_steps is None and self.tokens is None:
             raise ConfigError("no training budget: set --max-steps or --tokens")
-        if self.alrs is not False:
-            make_alrs(self, "asymloop")  # checks the ALRS settings now, with a clear error
+        alrs_hook(self)  # checks the ALRS settings now, with a clear error, even when ALRS is off
 
     def total_steps(self) -> int:
         return self.max_steps or math.ceil(self.tokens / (self.global_batch * self.seq_len))
@@ -136,9 +135,10 @@ class TrainConfig:
 
 _PAPER = dict(data="fineweb-edu", tokenizer="t5", seq_len=1024, global_batch=512, lr=1e-3)
 TRAIN_PRESETS = {
-    # (ours) sized for a 2-core CPU: data prep + training + evals in <= 5 minutes, see README
+    # (ours) sized for a 2-core CPU: data prep + training + evals in <= 5 minutes, see README. ALRS off:
+    # its 1-5x multipliers on this LR overshoot at 200 steps (val 5.86 vs 5.21 uniform, README); --alrs true turns it on
     "tiny": dict(data="stdlib", tokenizer="bpe", seq_len=128, global_batch=16, max_steps=200,
-                 lr=3e-3, eval_interval=50, eval_batches=8),
+                 lr=3e-3, eval_interval=50, eval_batches=8, alrs=False),
     # the paper's settings; micro_batch (ours) fits an 80 GB GPU in bf16, lower it on smaller GPUs
     "60m": dict(_PAPER, tokens=1_680_000_000, micro_batch=32, eval_interval=250),
     "135m": dict(_PAPER, tokens=3_000_000_000, micro_batch=32, eval_interval=250),
@@ -158,8 +158,10 @@ NAN_ENV = "MINIMAL_ASYMLOOP_NAN_STEPS"  # test hook: comma-separated steps (1-ba
 
 def make_alrs(cfg: TrainConfig, arch: str) -> alrs.ALRS | None:
     """The ALRS lr_hook for this run, or None: on by default for asymloop only (DESIGN.md §4)."""
-    if not (cfg.alrs if cfg.alrs is not None else arch == "asymloop"):
-        return None
+    return alrs_hook(cfg) if (cfg.alrs if cfg.alrs is not None else arch == "asymloop") else None
+
+
+def alrs_hook(cfg: TrainConfig) -> alrs.ALRS:
     try:
         return alrs.ALRS(cfg.total_steps(), cfg.alrs_fit, cfg.alrs_lo, cfg.alrs_hi, cfg.alrs_every, cfg.alrs_phase, cfg.alrs_ramp)
     except ValueError as e:

@@ -256,6 +256,11 @@ def test_alrs_on_by_default_for_asymloop_only_and_cli_errors(capsys):
     assert isinstance(make_alrs(cfg, "asymloop"), alrs.ALRS)
     assert make_alrs(cfg, "dense") is None and make_alrs(cfg, "full_loop") is None
     assert make_alrs(TrainConfig(max_steps=10, alrs=False), "asymloop") is None
+    # the paper presets train AsymLoop with ALRS; the CPU-sized tiny preset (ours) does not
+    assert isinstance(make_alrs(TrainConfig.from_preset("60m"), "asymloop"), alrs.ALRS)
+    assert make_alrs(TrainConfig.from_preset("60m"), "full_loop") is None
+    assert make_alrs(TrainConfig.from_preset("tiny"), "asymloop") is None
+    assert isinstance(make_alrs(TrainConfig.from_preset("tiny", alrs=True), "asymloop"), alrs.ALRS)
     hook = make_alrs(TrainConfig(max_steps=10, alrs=True, alrs_fit="hill_median", alrs_lo=0.5, alrs_hi=2.0), "full_loop")
     assert (hook.fit, hook.lo, hook.hi, hook.total_steps) == ("hill_median", 0.5, 2.0, 10)
     for argv, message in ((["--alrs-fit", "hill"], "unknown ALRS fit 'hill'; choose one of ww, hill_median"),
