@@ -163,7 +163,7 @@ def test_cli_public_flags_and_override_parsing():
               "--resume", "--micro-batch", "--tokens", "--eval-interval", "--eval-batches"}
     assert public <= flags
     args = vars(p.parse_args(["--compile", "--qk-norm", "false", "--tokens", "1.68e9", "--n-enc", "none", "--lr", "3e-4"]))
-    assert args == dict(size="tiny", arch="asymloop", compile=True, qk_norm=False, tokens=1_680_000_000, n_enc=None, lr=3e-4)
+    assert args == dict(size="tiny", arch="asymloop", moe=False, compile=True, qk_norm=False, tokens=1_680_000_000, n_enc=None, lr=3e-4)
     cfg = TrainConfig.from_preset("60m")
     assert (cfg.seq_len, cfg.global_batch, cfg.lr, cfg.weight_decay, cfg.grad_clip, cfg.tokenizer) == (1024, 512, 1e-3, 0.1, 1.0, "t5")
     assert cfg.total_steps() == 3205 and TrainConfig.from_preset("60m", max_steps=7).total_steps() == 7
