@@ -1,4 +1,4 @@
-"""ALRS: heavy-tail-guided layerwise learning rates (DESIGN.md §4; He et al. 2026).
+"""ALRS: heavy-tail-guided layerwise learning rates (He et al. 2026, as the paper uses it).
 
 Each weight matrix W gets an exponent alpha from a power-law fit to the eigenvalues of
 WᵀW. A larger alpha (a lighter tail, a less-trained matrix) earns a larger LR multiplier:

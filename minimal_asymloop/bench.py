@@ -247,7 +247,7 @@ def bench_train(args):
         if seq > cfg.max_seq_len:
             cfg = ModelConfig.from_preset(args.size, arch, n_iter=k, max_seq_len=seq)
         t = time_train_step(cfg, batch, seq, device, dtype, args)
-        flops = 3 * flops_per_token(cfg, seq)["total"]  # training ~ 3x forward (DESIGN.md §3)
+        flops = 3 * flops_per_token(cfg, seq)["total"]  # training ~ 3x forward (the paper's Appendix D)
         results[arch] = (t, flops)
         ratio = (t / results["dense"][0]) / (flops / results["dense"][1])
         achieved = flops * batch * seq / t

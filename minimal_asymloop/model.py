@@ -3,7 +3,7 @@
 Reads like Section 3 of the paper: config, backbone pieces (RMSNorm, RoPE,
 SwiGLU, attention), joint attention, encoder + Global KV, the looped decoder,
 and the three architectures (dense, full_loop, asymloop) in `LoopedLM`.
-Spec: DESIGN.md. Choices the paper leaves open are marked "(ours)".
+Spec: the paper (Section 3 for the model). Choices the paper leaves open are marked "(ours)".
 """
 
 import math
@@ -18,7 +18,7 @@ CONTEXTS = ("global_kv", "additive", "none")
 BACKBONES = ("llama", "olmo2")
 DEFAULT_N_ITER = {"dense": 1, "full_loop": 2, "asymloop": 3}
 
-# The paper's LLaMA-style sizes (DESIGN.md §2); "tiny" is ours, sized for a 2-core CPU.
+# The paper's LLaMA-style sizes (the paper's model configurations); "tiny" is ours, sized for a 2-core CPU.
 PRESETS = {
     "tiny": dict(n_layer=4, d_model=192, n_head=6, d_ff=512, vocab_size=8192, max_seq_len=256),
     "60m": dict(n_layer=6, d_model=768, n_head=6, d_ff=2048),
@@ -48,7 +48,7 @@ class ModelConfig:
     vocab_size: int = 32128
     max_seq_len: int = 1024
     rope_theta: float = 10000.0  # (ours) LLaMA's default; the paper does not state it
-    qk_norm: bool | None = None  # None -> on for asymloop only (ours, DESIGN.md §1)
+    qk_norm: bool | None = None  # None -> on for asymloop only (ours)
     context: str | None = None  # asymloop context access; None -> "global_kv" (asymloop) / "none"
     local_kv: bool = True  # False: "without Local KV" ablation
     norm_eps: float = 1e-6  # (ours)
@@ -56,7 +56,7 @@ class ModelConfig:
     # OLMo-2 switch (paper Appendix G): "olmo2" puts each RMSNorm on its sublayer's output,
     # x + Norm(Attn(x)), x + Norm(MLP(x)), and turns QKNorm on by default. See Block.
     backbone: str = "llama"
-    # sparse MoE FFN (DESIGN.md §5): 0 -> dense SwiGLU; else this many SwiGLU experts, top-k routed
+    # sparse MoE FFN (the paper's MoE extension): 0 -> dense SwiGLU; else this many SwiGLU experts, top-k routed
     moe_experts: int = 0
     moe_top_k: int = 2
     moe_d_ff: int | None = None  # expert width; None -> d_ff // moe_top_k (ours: active params = dense FFN)
@@ -188,7 +188,7 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    """Sparse mixture of SwiGLU experts (DESIGN.md §5): a linear router sends each token to its
+    """Sparse mixture of SwiGLU experts (the paper's MoE extension): a linear router sends each token to its
     top-k experts, weighted by a softmax over the k chosen logits. No capacity limit: no token dropped.
 
     Each call adds its load-balancing loss, router z-loss and expert loads to running sums, so an
@@ -412,7 +412,7 @@ class Block(nn.Module):
 
 
 class LoopedLM(nn.Module):
-    """Dense, Full Loop or AsymLoop language model (DESIGN.md §1); `forward` returns (logits, loss)."""
+    """Dense, Full Loop or AsymLoop language model (the paper's Section 3); `forward` returns (logits, loss)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -629,7 +629,7 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
-    """Forward FLOPs per token, the paper's Appendix D convention (DESIGN.md §3).
+    """Forward FLOPs per token, the paper's Appendix D convention (the paper's Appendix D).
 
     Each executed block 8d² + 6·d·d_ff + 4·N·d (full N×N scores), with MoE 6·d·d_ff becomes
     top_k·6·d·moe_d_ff + 2·d·moe_experts (active experts + router); head 2·d·V; AsymLoop adds
@@ -682,4 +682,4 @@ def sizes_table(seq_len: int = 1024) -> str:
 
 
 if __name__ == "__main__":
-    print(f"Parameters and forward FLOPs per token at seq_len=1024 (DESIGN.md §3):\n\n{sizes_table()}")
+    print(f"Parameters and forward FLOPs per token at seq_len=1024 (the paper's Appendix D):\n\n{sizes_table()}")

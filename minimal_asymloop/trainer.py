@@ -1,7 +1,7 @@
 """Training: presets, the loop (one process or DDP under torchrun), evaluation, metrics, resume.
 
 `train(model_cfg, train_cfg)` is the whole job and works from a notebook; `train_minimal.py` is a
-thin nanoGPT-style command line over it. Spec: DESIGN.md §2.
+thin nanoGPT-style command line over it. Settings: the paper's training setup; choices it leaves open are marked (ours).
 """
 
 import json
@@ -91,7 +91,7 @@ class TrainConfig:
     quiet: bool = False  # no prints, no progress bar (notebooks)
     ddp_timeout_s: int = 600  # a rank that dies makes the others fail after this, never hang (ours)
     skip_nonfinite: bool = False  # skip a step whose loss or gradient is inf/NaN (counted, logged) instead of stopping
-    # ALRS layerwise learning rates (DESIGN.md §4, alrs.py); --no-alrs and --alrs-range LO HI also work
+    # ALRS layerwise learning rates (He et al. 2026; alrs.py); --no-alrs and --alrs-range LO HI also work
     alrs: bool | None = None  # None -> on for asymloop, off for dense and full_loop (as in the paper)
     alrs_fit: str = "ww"  # ww: weightwatcher's fit (xmin by KS distance) | hill_median: the reference code's
     alrs_lo: float = 1.0  # multipliers run from lo (smallest alpha) to hi (largest alpha)
@@ -157,7 +157,7 @@ NAN_ENV = "MINIMAL_ASYMLOOP_NAN_STEPS"  # test hook: comma-separated steps (1-ba
 
 
 def make_alrs(cfg: TrainConfig, arch: str) -> alrs.ALRS | None:
-    """The ALRS lr_hook for this run, or None: on by default for asymloop only (DESIGN.md §4)."""
+    """The ALRS lr_hook for this run, or None: on by default for asymloop only (as in the paper)."""
     return alrs_hook(cfg) if (cfg.alrs if cfg.alrs is not None else arch == "asymloop") else None
 
 

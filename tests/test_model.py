@@ -21,7 +21,7 @@ def tiny(arch="asymloop", **kw):
     return ModelConfig(arch=arch, **{**base, **kw})
 
 
-# every architecture and every ablation of DESIGN.md §1
+# every architecture and every ablation of the paper's Section 3
 VARIANTS = {
     "dense": tiny("dense"),
     "full_loop": tiny("full_loop"),
