@@ -341,3 +341,27 @@ def report(out_dir, rows: list[dict], ramp_len: int, last_step: int) -> tuple[st
     ratios = plot_alrs(rows, ramp_len, last_step, path)
     said = ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()) or "n/a (no encoder/decoder)"
     return str(path), f"ALRS: final decoder/encoder mean LR ratio: {said} (the paper saw about 1.5 for FFN); plot {path}"
+
+
+# ----------------------------------------------------------------------------- normalized stable rank (the paper's Figure 4)
+
+
+def normalized_stable_rank(weight: torch.Tensor) -> float:
+    """||W||_F^2 / (||W||_2^2 * min(rows, cols)), in (0, 1]: 1 for a flat spectrum, near 0 when one direction dominates."""
+    w = weight.detach().float()
+    sv = torch.linalg.matrix_norm(w, ord=2)
+    return float((w.square().sum() / (sv * sv * min(w.shape))).item())
+
+
+def stable_rank_summary(model: nn.Module) -> dict[str, float]:
+    """Mean normalized stable rank per group, as the paper's Figure 4 averages it: the local Q/K/V/O matrices
+    ("... attention") and gate/up/down ("... FFN"), separately for encoder and decoder (Global KV, embedding, head and
+    MoE experts excluded). Keys like "srank encoder FFN"; dense and full_loop models report "srank attention"/"srank FFN"."""
+    ranks: dict[str, list[float]] = {}
+    for name, p in unwrap(model).named_parameters():
+        m = re.fullmatch(r"(encoder|decoder|blocks)\.\d+\.(attn|mlp)\.(wq|wk|wv|wo|gate|up|down)\.weight", name)
+        if m is not None:
+            where, part, _ = m.groups()
+            kind = "attention" if part == "attn" else "FFN"
+            ranks.setdefault(f"srank {kind}" if where == "blocks" else f"srank {where} {kind}", []).append(normalized_stable_rank(p))
+    return {k: float(np.mean(v)) for k, v in sorted(ranks.items())}

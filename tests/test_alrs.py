@@ -349,3 +349,17 @@ def test_ddp_alrs_gives_every_rank_the_same_lrs(data_cache, tmp_path):
     assert r0["alphas"] == r1["alphas"]
     assert r1["local"] != r0["alphas"]  # rank 1 alone would have allocated differently
     assert len({m for row in r0["lr_mults"] for m in row}) > 2  # the multipliers really vary
+
+
+def test_normalized_stable_rank_bounds_and_groups():
+    from minimal_asymloop.alrs import normalized_stable_rank, stable_rank_summary
+
+    assert normalized_stable_rank(torch.eye(64)) == pytest.approx(1.0)  # flat spectrum
+    rank_one = torch.outer(torch.randn(64), torch.randn(96))
+    assert normalized_stable_rank(rank_one) == pytest.approx(1 / 64, rel=1e-4)  # one direction: 1 / min(shape)
+    torch.manual_seed(0)
+    model = LoopedLM(ModelConfig.from_preset("tiny", "asymloop"))
+    s = stable_rank_summary(model)
+    assert set(s) == {"srank encoder attention", "srank encoder FFN", "srank decoder attention", "srank decoder FFN"}
+    assert all(0 < v <= 1 for v in s.values())
+    assert set(stable_rank_summary(LoopedLM(ModelConfig.from_preset("tiny", "dense")))) == {"srank attention", "srank FFN"}
