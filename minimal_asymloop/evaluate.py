@@ -63,7 +63,7 @@ def held_out_tokens(meta: dict, tokenizer, source: str | None, n_tokens: int | N
             print(f"the run's prepared data is not in {tc['data_cache']}; tokenizing the held-out documents of {source!r} again")
     ident = D.source_identity(source, None)
     # the checkpoint's held-out rule; (ours) data.prepare's default fraction when the run left it unset
-    val_fraction = tc["val_fraction"] or (0.005 if ident["kind"] == "fineweb-edu" else 0.05)
+    val_fraction = tc["val_fraction"] or D.default_val_fraction(ident)
     eot, ids = D.eot_id(tokenizer), []
     for key, text in D.iter_documents(source, ident):
         if D.is_val(key, val_fraction):
@@ -105,7 +105,7 @@ def held_out_loss(model, tokens, seq_len: int, batch_size: int, n_batches: int |
 # ----------------------------------------------------------------------------- lm-eval tasks
 
 
-def hub_offline_reason() -> str | None:
+def hub_offline_reason(what: str = "the tasks' data") -> str | None:
     """Why Hub data can only come from the local cache (offline flags, or an unreachable Hub), or None.
 
     When the Hub is unreachable, switch offline mode on: `datasets` would otherwise retry for
@@ -114,7 +114,7 @@ def hub_offline_reason() -> str | None:
     from minimal_asymloop.data import DataError, require_hub
 
     try:
-        require_hub("the tasks' data", alternatives="")
+        require_hub(what, alternatives="")
         return None
     except DataError as e:
         reason = str(e).rstrip("; ")

@@ -545,11 +545,12 @@ class LoopedLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 n_iter: int | None = None, use_cache: bool = True):
-        """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy.
+                 n_iter: int | None = None, use_cache: bool = True, stop_id: int | None = None):
+        """Append up to max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy.
 
         With the cache, the prompt runs in one forward pass (prefill), then each step runs
         only the newest token. n_iter may differ from the trained K (test-time depth).
+        stop_id: stop early once every row has generated this token (rows keep going until then).
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -559,7 +560,7 @@ class LoopedLM(nn.Module):
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(f"idx must be a (batch, length>=1) tensor of token ids, got shape {tuple(idx.shape)}")
-        window = self.config.max_seq_len
+        window, prompt_len = self.config.max_seq_len, idx.size(1)
         cache = KVCache() if use_cache else None
         for _ in range(max_new_tokens):
             if idx.size(1) > window:  # (ours) past max_seq_len the window slides, like nanoGPT; the
@@ -575,6 +576,8 @@ class LoopedLM(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 next_id = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
             idx = torch.cat([idx, next_id], dim=1)
+            if stop_id is not None and (idx[:, prompt_len:] == stop_id).any(dim=1).all():
+                break
         return idx
 
 
