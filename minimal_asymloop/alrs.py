@@ -267,6 +267,33 @@ class ALRS:
         self.ramp_from, self.last_alloc = state["ramp_from"], state["last_alloc"]
 
 
+class DecoderLRBoost:
+    """The paper's Table 4b baseline that ALRS beats: one constant LR multiplier on every decoder matrix
+    (Global KV projections included), no spectra, no schedule of its own; every other parameter keeps 1."""
+
+    per_matrix = True
+
+    def __init__(self, mult: float):
+        if not (isinstance(mult, (int, float)) and math.isfinite(mult) and mult > 0):
+            raise ValueError(f"the decoder LR multiplier must be a positive number, got {mult!r}; e.g. --dec-lr-mult 1.5")
+        self.mult = float(mult)
+
+    def on_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
+        names = [n for n, p in unwrap(model).named_parameters() if n.startswith("decoder.") and p.dim() >= 2]
+        if not names:
+            raise ValueError("a decoder LR boost needs a decoder; only arch='asymloop' has one")
+        check_groups(optimizer, names)
+        for group in optimizer.param_groups:
+            group["lr_mult"] = self.mult if group.get("name") in names else 1.0
+        return dict(dec_lr_mult=self.mult, dec_lr_matrices=len(names)) if step == 0 else None
+
+    def state_dict(self) -> dict:
+        return dict(mult=self.mult)
+
+    def load_state_dict(self, state: dict):
+        self.mult = state["mult"]
+
+
 def check_groups(optimizer: torch.optim.Optimizer, names) -> None:
     """Each tuned matrix must sit alone in an optimizer group named after it."""
     sizes = {g.get("name"): len(g["params"]) for g in optimizer.param_groups}

@@ -3,8 +3,10 @@
 Sources (`--data`):
   stdlib       the .py files of the running Python's standard library (ours; offline everywhere)
   fineweb-edu  HuggingFaceFW/fineweb-edu, streamed with `datasets` (config sample-10BT by default)
+  fineweb-edu-dedup  HuggingFaceTB/smollm-corpus, config fineweb-edu-dedup (the paper's Appendix G data)
   PATH / GLOB  local .txt, .jsonl or .parquet files with a `text` column, read by `datasets`' local builders
-Tokenizers (`--tokenizer`): "t5" (google-t5/t5-base from the Hub) or "bpe" (byte-level BPE trained
+Tokenizers (`--tokenizer`): "t5" (google-t5/t5-base from the Hub), "smollm" (HuggingFaceTB/SmolLM-135M's,
+49152 tokens, the paper's Appendix G) or "bpe" (byte-level BPE trained
 with `tokenizers` on the train split of the source, cached next to the data).
 
 Preparation runs once per (source, tokenizer) and is cached under `data_cache/`, nanoGPT/llm.c style:
@@ -35,6 +37,9 @@ DATA_FORMAT = 1  # bump when the on-disk layout changes; part of the cache key
 FINEWEB = "HuggingFaceFW/fineweb-edu"
 FINEWEB_CONFIG = "sample-10BT"
 T5_REPO = "google-t5/t5-base"
+SMOLLM_CORPUS, SMOLLM_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"  # the paper's Appendix G data
+SMOLLM_TOKENIZER = "HuggingFaceTB/SmolLM-135M"  # the SmolLM tokenizer (vocabulary 49152), the paper's Appendix G
+TOKENIZERS = ("bpe", "t5", "smollm")
 EOT = "<|endoftext|>"  # BPE's document separator (id 0); T5 uses its own "</s>"
 SHARD_TOKENS = 100_000_000  # llm.c-sized shards (ours)
 OFFLINE_ALTERNATIVES = "use --data stdlib (works offline) or --data PATH for local .txt/.jsonl/.parquet files"
@@ -128,6 +133,8 @@ def source_identity(source: str, max_tokens: int | None) -> dict:
         listing = hashlib.sha256("\n".join(f"{f.relative_to(root)}:{f.stat().st_size}" for f in files).encode()).hexdigest()
         # the corpus changes with the Python version: it is keyed by it
         return dict(kind="stdlib", python=sys.version.split()[0], files=len(files), listing=listing[:16], max_tokens=max_tokens)
+    if source == SMOLLM_CONFIG:
+        return dict(kind="smollm-corpus", repo=SMOLLM_CORPUS, config=SMOLLM_CONFIG, max_tokens=max_tokens)
     if source == "fineweb-edu" or source.startswith("fineweb-edu:"):
         config = source.split(":", 1)[1] if ":" in source else FINEWEB_CONFIG
         return dict(kind="fineweb-edu", repo=FINEWEB, config=config, max_tokens=max_tokens)
@@ -153,6 +160,8 @@ def iter_documents(source: str, ident: dict):
                 ds = datasets.load_dataset(FINEWEB, name=ident["config"], split="train", streaming=True)
             except Exception as e:
                 raise DataError(f"could not open {FINEWEB} ({ident['config']}): {type(e).__name__}: {e}; {OFFLINE_ALTERNATIVES}") from None
+        elif ident["kind"] == "smollm-corpus":
+            ds = open_smollm_corpus()
         else:
             files = [str(f) for f in _local_files(source)]
             builder = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}[Path(files[0]).suffix]
@@ -174,6 +183,22 @@ def iter_documents(source: str, ident: dict):
                         f"fix or remove the bad file") from None
 
 
+def open_smollm_corpus():
+    """FineWeb-Edu-dedup from the SmolLM corpus, streamed (the paper's Appendix G data). Rows: text, id, metadata."""
+    import datasets
+
+    require_hub(f"--data {SMOLLM_CONFIG} ({SMOLLM_CORPUS})", OFFLINE_ALTERNATIVES + " with the same 'text' column")
+    try:
+        return datasets.load_dataset(SMOLLM_CORPUS, name=SMOLLM_CONFIG, split="train", streaming=True)
+    except Exception as e:
+        raise DataError(f"could not open {SMOLLM_CORPUS} ({SMOLLM_CONFIG}): {type(e).__name__}: {e}; {OFFLINE_ALTERNATIVES}") from None
+
+
+def default_val_fraction(ident: dict) -> float:
+    """(ours) Share of documents held out: 0.5% of a Hub corpus, 5% of anything else."""
+    return 0.005 if ident["kind"] in ("fineweb-edu", "smollm-corpus") else 0.05
+
+
 def is_val(doc_key: str, val_fraction: float) -> bool:
     """Held-out documents chosen by a hash of their key: spread over the corpus, not a contiguous tail."""
     h = int.from_bytes(hashlib.sha1(doc_key.encode()).digest()[:8], "big")
@@ -183,16 +208,26 @@ def is_val(doc_key: str, val_fraction: float) -> bool:
 # ----------------------------------------------------------------------------- tokenizers
 
 
-def load_t5_tokenizer() -> Tokenizer:
-    """The T5 tokenizer (32100 tokens; the paper pads the model's vocabulary to 32128)."""
+def hub_tokenizer(repo: str, what: str) -> Tokenizer:
+    """A repo's tokenizer.json: from the local Hugging Face cache if there, else downloaded (failing fast offline)."""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
-    cached = try_to_load_from_cache(T5_REPO, "tokenizer.json")
+    cached = try_to_load_from_cache(repo, "tokenizer.json")
     if not isinstance(cached, str):
-        require_hub(f"the T5 tokenizer ({T5_REPO})", "use --tokenizer bpe (trained locally on the data; with --data stdlib or "
+        require_hub(f"the {what} tokenizer ({repo})", "use --tokenizer bpe (trained locally on the data; with --data stdlib or "
                     "--data PATH this works offline) or run once online to cache it")
-        cached = hf_hub_download(T5_REPO, "tokenizer.json")
+        cached = hf_hub_download(repo, "tokenizer.json")
     return Tokenizer.from_file(cached)
+
+
+def load_t5_tokenizer() -> Tokenizer:
+    """The T5 tokenizer (32100 tokens; the paper pads the model's vocabulary to 32128)."""
+    return hub_tokenizer(T5_REPO, "T5")
+
+
+def load_smollm_tokenizer() -> Tokenizer:
+    """The SmolLM tokenizer (49152 tokens, <|endoftext|> = id 0), the paper's Appendix G."""
+    return hub_tokenizer(SMOLLM_TOKENIZER, "SmolLM")
 
 
 def train_bpe(texts, vocab_size: int) -> Tokenizer:
@@ -309,11 +344,12 @@ def prepare(source: str = "stdlib", tokenizer: str = "bpe", bpe_vocab: int = 819
     build=False raises FileNotFoundError instead of preparing (DDP ranks waiting for rank 0).
     val_fraction: share of documents held out, by hash; default 5% (ours; 0.5% for fineweb-edu).
     """
-    if tokenizer not in ("bpe", "t5"):
-        raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of bpe, t5")
+    if tokenizer not in TOKENIZERS:
+        raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
     ident = source_identity(source, max_tokens)
-    val_fraction = val_fraction if val_fraction is not None else (0.005 if ident["kind"] == "fineweb-edu" else 0.05)
-    tok_ident = dict(name="t5", repo=T5_REPO) if tokenizer == "t5" else dict(name="bpe", vocab=bpe_vocab, sample_chars=bpe_sample_chars)
+    val_fraction = val_fraction if val_fraction is not None else default_val_fraction(ident)
+    tok_ident = {"t5": dict(name="t5", repo=T5_REPO), "smollm": dict(name="smollm", repo=SMOLLM_TOKENIZER)}.get(
+        tokenizer, dict(name="bpe", vocab=bpe_vocab, sample_chars=bpe_sample_chars))
     folder = Path(cache_dir) / cache_key(ident, tok_ident, val_fraction)
     if not (folder / "meta.json").exists():
         if not build:
@@ -340,7 +376,7 @@ def load_prepared(folder) -> Prepared:
 
 def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet):
     """Tokenize the source into a temp folder, then rename it into place (atomic; a crash leaves no half cache)."""
-    if ident["kind"] == "fineweb-edu":
+    if ident["kind"] in ("fineweb-edu", "smollm-corpus"):
         require_hub(f"--data {source}")  # before anything slow, and before the tokenizer's own check
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
@@ -361,8 +397,8 @@ def _tokenize_into(tmp: Path, source, ident, tok_ident, val_fraction, max_tokens
     t0 = time.time()
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     say(f"preparing {source!r} with the {tok_ident['name']} tokenizer into {folder} (once; cached)")
-    if tok_ident["name"] == "t5":
-        tok = load_t5_tokenizer()
+    if tok_ident["name"] in ("t5", "smollm"):
+        tok = load_t5_tokenizer() if tok_ident["name"] == "t5" else load_smollm_tokenizer()
     else:  # BPE learns from a sample of the TRAIN split only, spread over the corpus (not its alphabetical head)
         want = tok_ident["sample_chars"] if not max_tokens else min(tok_ident["sample_chars"], 4 * max_tokens)  # ~4 chars/token
         sample, n = [], 0
@@ -468,7 +504,7 @@ def eval_windows(tokens: Tokens, seq_len: int, count: int) -> np.ndarray:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="stdlib")
-    p.add_argument("--tokenizer", default="bpe", choices=["bpe", "t5"])
+    p.add_argument("--tokenizer", default="bpe", choices=TOKENIZERS)
     p.add_argument("--bpe-vocab", type=int, default=8192)
     p.add_argument("--data-cache", default="data_cache")
     p.add_argument("--max-tokens", type=lambda s: int(float(s)), default=None)

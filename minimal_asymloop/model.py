@@ -7,7 +7,7 @@ Spec: the paper (Section 3 for the model). Choices the paper leaves open are mar
 """
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -25,9 +25,12 @@ PRESETS = {
     "135m": dict(n_layer=12, d_model=768, n_head=12, d_ff=2048),
     "350m": dict(n_layer=24, d_model=1024, n_head=16, d_ff=2736),
     "1b": dict(n_layer=24, d_model=2048, n_head=32, d_ff=5461),
-    # the paper's Appendix G OLMo-style model: Full Loop K=2 vs AsymLoop K=3 (E=D=4), both effective depth 16
-    "olmo8": dict(n_layer=8, d_model=512, n_head=8, d_ff=2048, backbone="olmo2"),
+    # the paper's Appendix G OLMo-style model: 8 pre-norm blocks (as in He et al.'s OLMo-60M config), d 512, 8 heads,
+    # SwiGLU 2048, RMSNorm, RoPE, the SmolLM tokenizer's 49152 tokens; Full Loop K=2 vs AsymLoop K=3 (E=D=4), depth 16
+    "olmo8": dict(n_layer=8, d_model=512, n_head=8, d_ff=2048, vocab_size=49152),
 }
+# Appendix E: Full Loop K=2 with its FFN widened 2048 -> 2656 to match AsymLoop K=3's training FLOPs (60m, 135m)
+WIDE_FULL_LOOP_D_FF = 2656
 # `--moe`: the paper's sparse FFN, 8 SwiGLU experts, top-2. moe_d_ff defaults to d_ff // top_k
 # (1024 at 60m/135m), so the active expert parameters equal the dense FFN's at every size.
 PAPER_MOE = dict(moe_experts=8, moe_top_k=2)
@@ -53,9 +56,12 @@ class ModelConfig:
     local_kv: bool = True  # False: "without Local KV" ablation
     norm_eps: float = 1e-6  # (ours)
     init_std: float = 0.02  # (ours) see LoopedLM.init_weights
-    # OLMo-2 switch (paper Appendix G): "olmo2" puts each RMSNorm on its sublayer's output,
+    # (ours) an OLMo-2 option, not what the paper ran: "olmo2" puts each RMSNorm on its sublayer's output,
     # x + Norm(Attn(x)), x + Norm(MLP(x)), and turns QKNorm on by default. See Block.
     backbone: str = "llama"
+    # decoder FFN width; None -> d_ff. Table 4a's parameter-matched "without Global KV" gives the Global KV
+    # projections' parameters to a wider decoder FFN: see matched_dec_d_ff
+    dec_d_ff: int | None = None
     # sparse MoE FFN (the paper's MoE extension): 0 -> dense SwiGLU; else this many SwiGLU experts, top-k routed
     moe_experts: int = 0
     moe_top_k: int = 2
@@ -103,6 +109,13 @@ class ModelConfig:
                     f"moe_z_weight={self.moe_z_weight}")
         elif self.moe_d_ff is not None:
             bad(f"moe_d_ff={self.moe_d_ff} applies only with moe_experts > 0; set moe_experts (e.g. 8) or leave moe_d_ff unset")
+        if self.dec_d_ff is not None:
+            if not asym:
+                bad(f"dec_d_ff applies only to arch='asymloop' (got arch={self.arch!r}); use d_ff to widen every FFN")
+            if not isinstance(self.dec_d_ff, int) or self.dec_d_ff < 1:
+                bad(f"dec_d_ff must be a positive integer, got {self.dec_d_ff!r}")
+            if self.moe_experts:
+                bad("dec_d_ff applies to the dense SwiGLU FFN only; with moe_experts set moe_d_ff instead")
         if self.context not in CONTEXTS:
             bad(f"unknown context {self.context!r}; choose one of {', '.join(CONTEXTS)}")
         if asym:
@@ -424,7 +437,8 @@ class LoopedLM(nn.Module):
             self.encoder = nn.ModuleList(Block(cfg) for _ in range(cfg.n_enc))
             if glob:  # (ours) one shared RMSNorm on the encoder output feeds every layer's Global KV
                 self.enc_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-            self.decoder = nn.ModuleList(Block(cfg, glob, cfg.local_kv) for _ in range(cfg.n_dec))
+            dec_cfg = cfg if cfg.dec_d_ff is None else replace(cfg, d_ff=cfg.dec_d_ff)  # Table 4a's wider decoder FFN
+            self.decoder = nn.ModuleList(Block(dec_cfg, glob, cfg.local_kv) for _ in range(cfg.n_dec))
         else:
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
@@ -631,6 +645,13 @@ def count_params(cfg: ModelConfig) -> int:
         return sum(p.numel() for p in LoopedLM(cfg).parameters())
 
 
+def matched_dec_d_ff(cfg: ModelConfig) -> int:
+    """Table 4a: the decoder FFN width at which AsymLoop *without* Global KV has AsymLoop's parameter count.
+    Each decoder layer's Global KV projections (2·d², plus their QKNorm scale) become 3·d·Δ wider-FFN weights."""
+    with_gkv, without = replace(cfg, context="global_kv", dec_d_ff=None), replace(cfg, context="none", dec_d_ff=None)
+    return cfg.d_ff + round((count_params(with_gkv) - count_params(without)) / (3 * cfg.d_model * cfg.n_dec))
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
     """Forward FLOPs per token, the paper's Appendix D convention (the paper's Appendix D).
 
@@ -646,8 +667,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
     block = 8 * d * d + ffn + 4 * n * d
     glob_proj = glob_attn = 0
     if cfg.arch == "asymloop":
+        dec_block = block + 6 * d * (cfg.dec_d_ff - dff) if cfg.dec_d_ff else block
         # without Local KV the decoder computes no K_loc, V_loc and no local scores
-        dec_block = block if cfg.local_kv else block - 4 * d * d - 4 * n * d
+        dec_block = dec_block if cfg.local_kv else dec_block - 4 * d * d - 4 * n * d
         blocks = cfg.n_enc * block + cfg.n_iter * cfg.n_dec * dec_block
         if cfg.context == "global_kv":
             glob_proj = 4 * d * d * cfg.n_dec
@@ -674,7 +696,7 @@ def sizes_table(seq_len: int = 1024) -> str:
     """Markdown table of parameters and forward FLOPs/token for the paper's sizes."""
     rows = ["| size | arch | K | eff. depth | params | fwd GFLOPs/token | Global KV share |",
             "|---|---|---|---|---|---|---|"]
-    for size in ("60m", "135m", "350m", "1b"):
+    for size in ("60m", "135m", "350m", "1b", "olmo8"):
         for arch in ARCHS:
             cfg = ModelConfig.from_preset(size, arch)
             f = flops_per_token(cfg, seq_len)
@@ -684,5 +706,28 @@ def sizes_table(seq_len: int = 1024) -> str:
     return "\n".join(rows)
 
 
+def ablation_configs(size: str) -> dict[str, ModelConfig]:
+    """The paper's parameter/FLOP-matched baselines at one size, beside AsymLoop K=3 and Full Loop K=2."""
+    asym = ModelConfig.from_preset(size)
+    return {"asymloop K=3": asym,
+            "full_loop K=2": ModelConfig.from_preset(size, "full_loop"),
+            f"full_loop K=2, FFN {WIDE_FULL_LOOP_D_FF} (App. E)": ModelConfig.from_preset(size, "full_loop", d_ff=WIDE_FULL_LOOP_D_FF),
+            f"asymloop K=3 without Global KV, decoder FFN {matched_dec_d_ff(asym)} (Table 4a)":
+                ModelConfig.from_preset(size, context="none", dec_d_ff=matched_dec_d_ff(asym))}
+
+
+def ablations_table(seq_len: int = 1024) -> str:
+    """Markdown table: parameters and training FLOPs of the matched baselines, relative to AsymLoop K=3."""
+    rows = ["| size | model | params | vs AsymLoop | fwd GFLOPs/token | vs AsymLoop |", "|---|---|---|---|---|---|"]
+    for size in ("60m", "135m"):
+        cfgs = ablation_configs(size)
+        p0, f0 = count_params(cfgs["asymloop K=3"]), flops_per_token(cfgs["asymloop K=3"], seq_len)["total"]
+        for name, cfg in cfgs.items():
+            p, f = count_params(cfg), flops_per_token(cfg, seq_len)["total"]
+            rows.append(f"| {size} | {name} | {p / 1e6:.2f}M | {p / p0 - 1:+.2%} | {f / 1e9:.3f} | {f / f0 - 1:+.1%} |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     print(f"Parameters and forward FLOPs per token at seq_len=1024 (the paper's Appendix D):\n\n{sizes_table()}")
+    print(f"\nMatched baselines (the paper's Table 4a and Appendix E; training FLOPs = 3 x forward):\n\n{ablations_table()}")

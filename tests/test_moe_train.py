@@ -53,7 +53,7 @@ def test_validation_cross_entropy_excludes_aux_losses(tiny_configs, stdlib_data)
 
 @pytest.mark.parametrize("arch", ["full_loop", "asymloop"])
 def test_scaled_down_olmo8_run_reduces_loss(tiny_configs, arch):
-    # olmo8's backbone (OLMo-2 norm placement + QKNorm) at test size: 4 blocks (E = D = 2 for asymloop)
+    # the (ours) OLMo-2 option (norm after each sublayer + QKNorm) at test size: 4 blocks (E = D = 2 for asymloop)
     model = dict(backbone="olmo2", n_layer=4)
     mcfg, tcfg = tiny_configs(arch, model=model, max_steps=30, eval_interval=30)
     assert mcfg.qk_norm and mcfg.effective_depth == 8
@@ -79,4 +79,4 @@ def test_cli_moe_flag_and_olmo8_size(tmp_path, data_cache):
     train_minimal.main(["--size", "olmo8", "--arch", "full_loop", *common, "--data", "stdlib", "--tokenizer", "bpe",
                         "--out-dir", str(tmp_path / "c")])
     meta = json.loads((tmp_path / "c/latest/meta.json").read_text())["model_config"]
-    assert (meta["backbone"], meta["qk_norm"], meta["n_iter"], meta["moe_experts"]) == ("olmo2", True, 2, 0)
+    assert (meta["backbone"], meta["qk_norm"], meta["n_iter"], meta["moe_experts"]) == ("llama", False, 2, 0)  # Appendix G: pre-norm

@@ -112,12 +112,29 @@ def test_olmo2_causal_and_trainable(arch):
 
 
 def test_olmo8_preset_is_the_papers_appendix_g_model():
+    """Appendix G: 8 pre-norm blocks, d 512, 8 heads, SwiGLU 2048, the SmolLM tokenizer's 49152 tokens; QKNorm as in the
+    main models (AsymLoop only); OLMo-2's norm order is only an option (ours)."""
     fl, asym = ModelConfig.from_preset("olmo8", "full_loop"), ModelConfig.from_preset("olmo8")
     for c in (fl, asym):
-        assert (c.n_layer, c.d_model, c.n_head, c.d_ff, c.backbone, c.qk_norm) == (8, 512, 8, 2048, "olmo2", True)
+        assert (c.n_layer, c.d_model, c.n_head, c.d_ff, c.vocab_size, c.backbone) == (8, 512, 8, 2048, 49152, "llama")
+    assert (fl.qk_norm, asym.qk_norm) == (False, True)
     assert (fl.n_iter, fl.effective_depth) == (2, 16)
     assert (asym.n_enc, asym.n_dec, asym.n_iter, asym.effective_depth) == (4, 4, 3, 16)
-    # Full Loop and AsymLoop differ only by the Global KV projections, their QKNorm scales and the encoder-output norm
-    assert count_params(asym) - count_params(fl) == 4 * (2 * 512 * 512 + 64) + 512
+    # they differ by the Global KV projections (4 decoder layers x 2 d^2) with their QKNorm scales, the encoder-output
+    # norm, and AsymLoop's q/k QKNorm scales in all 8 blocks
+    assert count_params(asym) - count_params(fl) == 4 * (2 * 512 * 512 + 64) + 512 + 8 * 2 * 64
+    assert ModelConfig.from_preset("olmo8", backbone="olmo2").backbone == "olmo2"  # the (ours) OLMo-2 option
     with pytest.raises(ValueError, match="unknown backbone 'olmo3'; choose one of llama, olmo2"):
         ModelConfig.from_preset("olmo8", backbone="olmo3")
+
+
+def test_olmo8_training_preset_is_the_papers_appendix_g_setup():
+    from minimal_asymloop.alrs import ALRS
+    from minimal_asymloop.trainer import TrainConfig, make_alrs
+
+    t = TrainConfig.from_preset("olmo8")
+    assert (t.data, t.tokenizer, t.seq_len, t.global_batch, t.tokens, t.warmup_frac) == (
+        "fineweb-edu-dedup", "smollm", 1024, 512, 1_680_000_000, 0.1)
+    hook = make_alrs(t, "asymloop")
+    assert isinstance(hook, ALRS) and (hook.lo, hook.hi) == (1.0, 3.0)  # ALRS in [1, 3]
+    assert make_alrs(t, "full_loop") is None
