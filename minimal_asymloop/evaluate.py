@@ -4,8 +4,10 @@
     python -m minimal_asymloop.evaluate --ckpt out --n-iter 5           # at test-time depth K=5
     python -m minimal_asymloop.evaluate --ckpt out --data notes/*.txt   # on the held-out part of other data
     python -m minimal_asymloop.evaluate --ckpt out --tasks paper --num-fewshot 0   # + the paper's table (lm-eval)
+    python -m minimal_asymloop.evaluate --ckpt out --all-checkpoints --tasks paper  # every kept checkpoint (Figure 6)
 
-Results are printed and written as JSON (default: eval_k{K}.json in the checkpoint folder). The
+Results are printed and written as JSON (default: eval_k{K}.json in the checkpoint folder; with
+--all-checkpoints, downstream_k{K}.json and a plot downstream_k{K}.png in the run's folder). The
 tasks run through lm-evaluation-harness with its standard prompts, via the adapter in harness.py;
 lm-eval is an optional extra: pip install -e ".[eval]".
 """
@@ -15,6 +17,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -22,15 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# The paper's seven zero/five-shot tasks in its table's order: our name -> (column, lm-eval task name)
+# The paper's seven zero/five-shot tasks in its Table 1's order: our name -> (column, lm-eval task name)
 PAPER_TASKS = {
-    "piqa": ("PIQA", "piqa"),
-    "siqa": ("SIQA", "social_iqa"),
-    "hellaswag": ("HellaSwag", "hellaswag"),
-    "winogrande": ("WinoGrande", "winogrande"),
-    "arc_easy": ("ARC-e", "arc_easy"),
-    "arc_challenge": ("ARC-c", "arc_challenge"),
     "openbookqa": ("OBQA", "openbookqa"),
+    "winogrande": ("WinoGrande", "winogrande"),
+    "arc_challenge": ("ARC-c", "arc_challenge"),
+    "arc_easy": ("ARC-e", "arc_easy"),
+    "hellaswag": ("HellaSwag", "hellaswag"),
+    "siqa": ("SIQA", "social_iqa"),
+    "piqa": ("PIQA", "piqa"),
 }
 LM_EVAL_MISSING = 'lm-eval is not installed; install the optional extra with  pip install -e ".[eval]"  (or pip install "lm-eval>=0.4.3")'
 
@@ -161,8 +164,8 @@ def run_tasks(lm, tasks, num_fewshot: int, limit=None) -> dict:
     return dict(results=res, lm_eval_version=importlib.metadata.version("lm_eval"))  # old lm-evals have no __version__
 
 
-def paper_table(results: dict, names: list[str], metric: str, label: str) -> tuple[str, float]:
-    """The paper's table layout: one row, a column per task (%), and the unweighted mean."""
+def paper_table(results: dict, names: list[str], metric: str, label: str) -> tuple[str, float, dict]:
+    """The paper's table layout: one row, a column per task (%), and the unweighted mean; also {column: %}."""
     cols, vals = [], []
     for n in names:
         col, lm_name = PAPER_TASKS.get(n, (n, n))
@@ -172,7 +175,7 @@ def paper_table(results: dict, names: list[str], metric: str, label: str) -> tup
     mean = sum(vals) / len(vals)
     rows = [f"| Model | {' | '.join(cols)} | Avg. |", "|---|" + "---:|" * (len(cols) + 1),
             f"| {label} | {' | '.join(f'{v:.2f}' for v in vals)} | {mean:.2f} |"]
-    return "\n".join(rows), mean
+    return "\n".join(rows), mean, dict(zip(cols, vals))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -190,40 +193,48 @@ def _batches(s: str):
     raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', got {s!r}")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint) or a checkpoint folder")
-    p.add_argument("--data", default=None, help="score the held-out part of this source instead of the run's own data")
-    p.add_argument("--n-iter", type=int, default=None, help="test-time depth K (default: the trained K)")
-    p.add_argument("--eval-batches", type=_batches, default=None, help="val batches (default: the run's eval_batches, so the loss matches "
-                                                         "its log), or 'all' for the whole held-out split")
-    p.add_argument("--tasks", default=None, help=f"comma-separated lm-eval tasks, or 'paper' for {','.join(PAPER_TASKS)}")
-    p.add_argument("--num-fewshot", type=int, default=0, help="the paper reports 0 and 5")
-    p.add_argument("--metric", default="acc", choices=["acc", "acc_norm"], help="table metric (acc_norm where the task has it)")
-    p.add_argument("--limit", type=int, default=None, help="at most this many examples per task (quick checks only)")
-    p.add_argument("--include-path", default=None, help="a folder of your own lm-eval task YAMLs")
-    p.add_argument("--batch-size", type=int, default=16, help="lm-eval requests per forward pass")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--out", default=None, help="JSON path (default: <checkpoint>/eval_k{K}.json)")
-    args = p.parse_args(argv)
-    if args.num_fewshot < 0:
-        p.error(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+def kept_checkpoints(run_dir) -> list[Path]:
+    """The checkpoint folders of a run (ckpt_NNNNNNN, kept every N steps by --keep-every), by step."""
+    run_dir = Path(run_dir)
+    found = sorted(p for p in run_dir.glob("ckpt_*") if re.fullmatch(r"ckpt_\d{7}", p.name) and (p / "meta.json").exists())
+    if not found:
+        raise SystemExit(f"error: no checkpoint folders (ckpt_NNNNNNN) in {run_dir}; --all-checkpoints needs a run's out_dir "
+                         f"trained with --keep-every N (or at least one checkpoint)")
+    return found
 
-    names = None
-    if args.tasks:  # check lm-eval and the task data first: a missing extra or an offline Hub fails in seconds
-        try:
-            import lm_eval  # noqa: F401
-        except ImportError:
-            raise SystemExit(f"error: --tasks needs lm-eval: {LM_EVAL_MISSING}") from None
-        names = list(PAPER_TASKS) if args.tasks == "paper" else [t.strip() for t in args.tasks.split(",") if t.strip()]
-        tasks = load_tasks(names, args.include_path)
 
+def plot_over_training(rows: list[dict], title: str):
+    """Figure 6 layout: accuracy (%) per task and their mean against the step, beside held-out perplexity.
+    Returns a matplotlib Figure (no pyplot state)."""
+    from matplotlib.figure import Figure
+
+    steps = [r["step"] for r in rows]
+    with_tasks = any("tasks" in r for r in rows)
+    fig = Figure(figsize=(11 if with_tasks else 5.5, 4), layout="constrained")
+    axes = fig.subplots(1, 2 if with_tasks else 1, squeeze=False)[0]
+    if with_tasks:
+        ax, metric = axes[0], rows[-1]["tasks"]["metric"]
+        for name in rows[-1]["tasks"]["columns"]:
+            ax.plot(steps, [r["tasks"]["columns"][name] for r in rows], "o-", lw=1, ms=3, alpha=0.7, label=name)
+        ax.plot(steps, [r["tasks"]["mean"] for r in rows], "o-", c="k", lw=2.5, label="mean")
+        ax.set(title=f"Downstream {metric} over training", xlabel="optimizer step", ylabel=f"{metric} (%)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    ax.plot(steps, [r["val"]["ppl"] for r in rows], "o-")
+    ax.set(title="Held-out perplexity over training", xlabel="optimizer step", ylabel="perplexity")
+    ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    return fig
+
+
+def evaluate_checkpoint(ckpt: str, args, names, tasks, say=print) -> dict:
+    """One checkpoint: held-out CE and perplexity, then (with names) the lm-eval tasks; the report dict."""
     from minimal_asymloop.checkpoint import CheckpointError, load_model
     from minimal_asymloop.data import DataError
 
     try:
-        model, tokenizer, meta = load_model(args.ckpt, device=args.device)
+        model, tokenizer, meta = load_model(ckpt, device=args.device)
     except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
     cfg, tc = model.config, meta["train_config"]
@@ -243,8 +254,8 @@ def main(argv=None):
                   data=args.data or meta["data"]["source"], dtype=args.dtype)
     report["val"] = held_out_loss(model, tokens, tc["seq_len"], batch, n_batches, args.device, dtype, micro)
     v = report["val"]
-    print(f"{cfg.arch} K={cfg.n_iter} step {report['step']} on {report['data']} (held out, {v['tokens']:,} tokens): "
-          f"cross-entropy {v['ce']:.4f} nats/token, perplexity {v['ppl']:.2f}")
+    say(f"{cfg.arch} K={cfg.n_iter} step {report['step']} on {report['data']} (held out, {v['tokens']:,} tokens): "
+        f"cross-entropy {v['ce']:.4f} nats/token, perplexity {v['ppl']:.2f}")
 
     if names:
         from minimal_asymloop.harness import AsymLoopLM
@@ -252,13 +263,74 @@ def main(argv=None):
         lm = AsymLoopLM(model=model, tokenizer=tokenizer, n_iter=cfg.n_iter, batch_size=args.batch_size, device=args.device,
                         dtype=args.dtype)
         out = run_tasks(lm, tasks, args.num_fewshot, args.limit)
-        table, mean = paper_table(out["results"], names, args.metric, f"{cfg.arch} K={cfg.n_iter}")
-        report["tasks"] = dict(out, num_fewshot=args.num_fewshot, metric=args.metric, mean=mean, limit=args.limit)
+        table, mean, columns = paper_table(out["results"], names, args.metric, f"{cfg.arch} K={cfg.n_iter}")
+        report["tasks"] = dict(out, num_fewshot=args.num_fewshot, metric=args.metric, mean=mean, columns=columns, limit=args.limit)
         note = "; † acc (the task has no acc_norm)" if "†" in table else ""
-        print(f"\nlm-eval {out['lm_eval_version']}, {args.num_fewshot}-shot, {args.metric} (%){note}"
-              f"{f', first {args.limit} examples per task' if args.limit else ''}:\n{table}")
+        say(f"\nlm-eval {out['lm_eval_version']}, {args.num_fewshot}-shot, {args.metric} (%){note}"
+            f"{f', first {args.limit} examples per task' if args.limit else ''}:\n{table}")
+    return report
 
-    out_path = Path(args.out) if args.out else Path(meta["path"]) / f"eval_k{cfg.n_iter}.json"
+
+def over_training(args, names, tasks) -> dict:
+    """--all-checkpoints: evaluate every kept checkpoint of a run (resuming a partly written JSON), plot against the step."""
+    folders = kept_checkpoints(args.ckpt)
+    settings = {k: getattr(args, k) for k in ("data", "n_iter", "eval_batches", "tasks", "num_fewshot", "metric", "limit", "dtype")}
+    k = args.n_iter or json.loads((folders[-1] / "meta.json").read_text())["model_config"]["n_iter"]
+    out_path = Path(args.out) if args.out else Path(args.ckpt) / f"downstream_k{k}.json"
+    old = json.loads(out_path.read_text()) if out_path.exists() else {}
+    done = {r["step"]: r for r in old.get("checkpoints", [])} if old.get("settings") == settings else {}
+    rows = []
+    for i, folder in enumerate(folders):
+        step = json.loads((folder / "meta.json").read_text()).get("step")
+        if step in done:  # evaluated by an earlier, interrupted call with the same settings
+            rows.append(done[step])
+            continue
+        print(f"[{i + 1}/{len(folders)}] {folder.name}")
+        rows.append(evaluate_checkpoint(str(folder), args, names, tasks))
+        write_json(out_path, dict(run=str(Path(args.ckpt).resolve()), settings=settings, checkpoints=rows))  # after each one
+    report = dict(run=str(Path(args.ckpt).resolve()), settings=settings, checkpoints=rows)
+    write_json(out_path, report)
+    fig = plot_over_training(rows, f"{rows[-1]['arch']} K={rows[-1]['n_iter']}: {Path(args.ckpt).resolve().name}")
+    fig.savefig(out_path.with_suffix(".png"), dpi=120)
+    print(f"wrote {out_path} and {out_path.with_suffix('.png')} ({len(rows)} checkpoints)")
+    report["plot"] = str(out_path.with_suffix(".png"))
+    return report
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint) or a checkpoint folder")
+    p.add_argument("--all-checkpoints", action="store_true", help="evaluate every kept checkpoint (ckpt_NNNNNNN) of the run in --ckpt "
+                   "and plot the results against the step (the paper's Figure 6)")
+    p.add_argument("--data", default=None, help="score the held-out part of this source instead of the run's own data")
+    p.add_argument("--n-iter", type=int, default=None, help="test-time depth K (default: the trained K)")
+    p.add_argument("--eval-batches", type=_batches, default=None, help="val batches (default: the run's eval_batches, so the loss matches "
+                                                         "its log), or 'all' for the whole held-out split")
+    p.add_argument("--tasks", default=None, help=f"comma-separated lm-eval tasks, or 'paper' for {','.join(PAPER_TASKS)}")
+    p.add_argument("--num-fewshot", type=int, default=0, help="the paper reports 0 and 5")
+    p.add_argument("--metric", default="acc", choices=["acc", "acc_norm"], help="table metric (acc_norm where the task has it)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many examples per task (quick checks only)")
+    p.add_argument("--include-path", default=None, help="a folder of your own lm-eval task YAMLs")
+    p.add_argument("--batch-size", type=int, default=16, help="lm-eval requests per forward pass")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--out", default=None, help="JSON path (default: <checkpoint>/eval_k{K}.json, or <run>/downstream_k{K}.json)")
+    args = p.parse_args(argv)
+    if args.num_fewshot < 0:
+        p.error(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+
+    names = tasks = None
+    if args.tasks:  # check lm-eval and the task data first: a missing extra or an offline Hub fails in seconds
+        try:
+            import lm_eval  # noqa: F401
+        except ImportError:
+            raise SystemExit(f"error: --tasks needs lm-eval: {LM_EVAL_MISSING}") from None
+        names = list(PAPER_TASKS) if args.tasks == "paper" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+        tasks = load_tasks(names, args.include_path)
+    if args.all_checkpoints:
+        return over_training(args, names, tasks)
+    report = evaluate_checkpoint(args.ckpt, args, names, tasks)
+    out_path = Path(args.out) if args.out else Path(report["ckpt"]) / f"eval_k{report['n_iter']}.json"
     write_json(out_path, report)
     print(f"wrote {out_path}")
     return report

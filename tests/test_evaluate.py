@@ -337,7 +337,8 @@ def test_without_lm_eval_the_command_says_how_to_install(tiny_checkpoint, tmp_pa
 
 def test_paper_table_layout_and_unweighted_mean():
     res = {"piqa": {"acc": 0.60, "acc_norm": 0.62}, "social_iqa": {"acc": 0.40}, "arc_easy": {"acc": 0.50, "acc_norm": 0.44}}
-    table, mean = evaluate.paper_table(res, ["piqa", "siqa", "arc_easy"], "acc_norm", "asymloop K=3")
+    table, mean, cols = evaluate.paper_table(res, ["piqa", "siqa", "arc_easy"], "acc_norm", "asymloop K=3")
+    assert cols == {"PIQA": pytest.approx(62), "SIQA†": pytest.approx(40), "ARC-e": pytest.approx(44)}
     assert table.splitlines()[0] == "| Model | PIQA | SIQA† | ARC-e | Avg. |"
     assert table.splitlines()[2] == "| asymloop K=3 | 62.00 | 40.00 | 44.00 | 48.67 |"
     assert mean == pytest.approx((62 + 40 + 44) / 3)
