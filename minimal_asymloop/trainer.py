@@ -92,7 +92,7 @@ class TrainConfig:
     ddp_timeout_s: int = 600  # a rank that dies makes the others fail after this, never hang (ours)
     skip_nonfinite: bool = False  # skip a step whose loss or gradient is inf/NaN (counted, logged) instead of stopping
     # ALRS layerwise learning rates (He et al. 2026; alrs.py); --no-alrs and --alrs-range LO HI also work
-    alrs: bool | None = None  # None -> on for asymloop, off for dense and full_loop (as in the paper)
+    alrs: bool | None = None  # None -> on for asymloop, off for dense and full_loop (as in the paper); full_loop + true: Table 4c
     alrs_fit: str = "ww"  # ww: weightwatcher's fit (xmin by KS distance) | hill_median: the reference code's
     alrs_lo: float = 1.0  # multipliers run from lo (smallest alpha) to hi (largest alpha)
     alrs_hi: float = 5.0
