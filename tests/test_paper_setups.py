@@ -146,3 +146,11 @@ def test_decoder_boost_in_a_training_run(tiny_configs):
     mcfg, tcfg = tiny_configs(max_steps=2, eval_interval=2, dec_lr_mult=1.5)
     res = train(mcfg, tcfg)
     assert res["history"][0]["dec_lr_mult"] == 1.5 and "alrs_step" not in res["history"][0]
+
+
+def test_ablation_flags_on_the_command_line():
+    import train_minimal
+
+    argv = ["--size", "60m", "--context", "none", "--dec-d-ff", "2560", "--dec-lr-mult", "1.5"]
+    args = vars(train_minimal.build_parser().parse_args(argv))
+    assert (args["dec_d_ff"], args["dec_lr_mult"], args["context"]) == (2560, 1.5, "none")
