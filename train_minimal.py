@@ -55,7 +55,8 @@ def _field_parser(f):
     kinds = [t for t in (f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)) if t is not type(None)]
     base = {bool: _parse_bool, int: _parse_int, float: _parse_float, str: str}[kinds[0]]
     optional = isinstance(f.type, types.UnionType)
-    return lambda s: None if optional and s.lower() in ("none", "null") else base(s)
+    # a str field keeps "none" as a value: `--context none` is the "without Global KV" ablation, not "unset"
+    return lambda s: None if optional and base is not str and s.lower() in ("none", "null") else base(s)
 
 
 def build_parser() -> argparse.ArgumentParser:
