@@ -638,6 +638,8 @@ def compile_and_wrap(run: Run) -> torch.nn.Module:
     gradient-bucket boundaries and so overlaps the all-reduce with backward. Evaluation runs `run.raw`, eagerly."""
     model = run.raw
     if compile_on(run.cfg, run.device):
+        if run.cfg.compile_backend not in (known := torch.compiler.list_backends(exclude_tags=())):
+            raise ConfigError(f"unknown compile_backend {run.cfg.compile_backend!r}; choose one of {', '.join(known)} (default inductor)")
         model = torch.compile(model, backend=run.cfg.compile_backend)
     if run.world > 1:
         model = DDP(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)

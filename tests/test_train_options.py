@@ -6,6 +6,7 @@ import sys
 import warnings
 from dataclasses import fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -80,6 +81,9 @@ def test_compile_is_automatic_on_cuda_only():
     assert on(TrainConfig(max_steps=1), torch.device("cuda", 0)) and not on(TrainConfig(max_steps=1), torch.device("cpu"))
     assert not on(TrainConfig(max_steps=1, compile=False), torch.device("cuda", 0))
     assert on(TrainConfig(max_steps=1, compile=True), torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"unknown compile_backend 'inductr'; choose one of .*inductor"):
+        bad = TrainConfig(max_steps=1, compile=True, compile_backend="inductr")
+        trainer.compile_and_wrap(SimpleNamespace(cfg=bad, device=torch.device("cpu"), raw=torch.nn.Linear(2, 2), world=1))
 
 
 def test_joint_mask_does_not_make_compile_recompile():
