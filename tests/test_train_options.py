@@ -128,6 +128,7 @@ def test_rng_restore_takes_the_current_device_and_ignores_cuda_on_cpu(monkeypatc
     assert trainer.rng_state(torch.device("cpu"))["cuda"] is None
 
 
+@pytest.mark.slow  # three short training runs: ~10-15 s on a shared box
 def test_resume_from_a_checkpoint_saved_with_more_gpus_on_cpu_is_exact(tiny_configs, tmp_path):
     mcfg, full = tiny_configs(max_steps=8, eval_interval=4, out_dir=str(tmp_path / "full"))
     train(mcfg, full)
