@@ -7,14 +7,18 @@
     python train_minimal.py --resume                         # continue the run in --out-dir exactly
     python train_minimal.py --size 60m --moe                 # sparse MoE FFNs: 8 experts of width 1024, top-2
     python train_minimal.py --size olmo8 --arch full_loop    # the paper's OLMo-style model (Appendix G), K=2
+    python train_minimal.py --size 60m --wandb --wandb-project asymloop   # also log to Weights & Biases (pip install -e ".[wandb]")
 
 --size picks the model and its training settings; every ModelConfig and TrainConfig field can then be
-overridden, e.g. `--d-model 256 --lr 3e-4 --qk-norm false --max-steps 100`. Unknown keys are errors.
+overridden, e.g. `--d-model 256 --lr 3e-4 --qk-norm false --max-steps 100`. Unknown keys are errors. Booleans work as
+bare flags (`--compile`) and with values (`--compile false`). A run stopped by SIGTERM or SIGINT checkpoints and exits
+143 or 130 (128 + the signal), so that a scheduler requeues it; `--resume` continues it.
 """
 
 import argparse
 import difflib
 import math
+import signal
 import sys
 import types
 from dataclasses import MISSING, fields
@@ -50,10 +54,14 @@ def _parse_float(s: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
 
 
+def _kind(f) -> type:
+    """bool, int, float or str: a dataclass field's type without its `| None`."""
+    return [t for t in (f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)) if t is not type(None)][0]
+
+
 def _field_parser(f):
     """argparse type for a dataclass field, from its annotation (`int | None` accepts 'none')."""
-    kinds = [t for t in (f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)) if t is not type(None)]
-    base = {bool: _parse_bool, int: _parse_int, float: _parse_float, str: str}[kinds[0]]
+    base = {bool: _parse_bool, int: _parse_int, float: _parse_float, str: str}[_kind(f)]
     optional = isinstance(f.type, types.UnionType)
     # a str field keeps "none" as a value: `--context none` is the "without Global KV" ablation, not "unset"
     return lambda s: None if optional and base is not str and s.lower() in ("none", "null") else base(s)
@@ -71,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
             if f.name == "arch":
                 continue
             default = f.default if f.default is not MISSING else None
-            kw = dict(nargs="?", const=True) if f.type is bool else {}  # `--compile` alone means true
+            kw = dict(nargs="?", const=True) if _kind(f) is bool else {}  # `--qk-norm` alone means true, `--qk-norm false` false
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_field_parser(f), default=argparse.SUPPRESS,
                                metavar=f.name.upper(), help=f"(class default {default!r}; the --size preset may set it)", **kw)
     alrs = p.add_argument_group("ALRS shortcuts")
@@ -103,9 +111,11 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     try:
-        train(model_cfg, train_cfg)
+        result = train(model_cfg, train_cfg)
     except (ConfigError, DataError, CheckpointError, NonFiniteLossError, DistributedError) as e:
         sys.exit(f"error: {e}")
+    if result["step"] < min(result["total_steps"], train_cfg.stop_step or math.inf):  # a signal stopped it, here or on another rank
+        sys.exit(128 + signal.Signals[result["signal"] or "SIGTERM"])
 
 
 if __name__ == "__main__":

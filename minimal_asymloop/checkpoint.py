@@ -7,6 +7,7 @@
                             tokenizer.json     so the folder alone can generate text
     out_dir/latest -> ckpt_0000500             symlinks, replaced atomically with os.replace
     out_dir/best   -> ckpt_0000500
+    Older ckpt_* folders are deleted, except those at multiples of keep_every (--keep-every) when it is set.
 
 A save writes a temp folder, fsyncs it, renames it into place and only then moves the `latest`
 (and `best`) link, so a crash at any moment leaves `latest` pointing at a complete checkpoint.
@@ -52,8 +53,10 @@ def _point(link: Path, target: str):
     os.replace(tmp, link)
 
 
-def save_checkpoint(out_dir, model: LoopedLM, state: dict, meta: dict, tokenizer: Tokenizer, best: bool = False) -> Path:
-    """Write a checkpoint of `model` (unwrapped, not DDP/compiled) at meta['step']; move `latest` (and `best`)."""
+def save_checkpoint(out_dir, model: LoopedLM, state: dict, meta: dict, tokenizer: Tokenizer, best: bool = False,
+                    keep_every: int | None = None) -> Path:
+    """Write a checkpoint of `model` (unwrapped, not DDP/compiled) at meta['step']; move `latest` (and `best`);
+    delete older checkpoints except those at multiples of keep_every."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"ckpt_{meta['step']:07d}"
@@ -66,7 +69,7 @@ def save_checkpoint(out_dir, model: LoopedLM, state: dict, meta: dict, tokenizer
     except (OSError, RuntimeError, SafetensorError) as e:  # disk full, quota, permissions (torch.save wraps OSError in RuntimeError)
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(_write_failure(out_dir, name, e)) from None
-    _collect_garbage(out_dir)
+    _collect_garbage(out_dir, keep_every)
     return out_dir / name
 
 
@@ -110,9 +113,12 @@ def _write(tmp: Path, out_dir: Path, name: str, model: LoopedLM, state: dict, me
         _point(out_dir / "best", name)
 
 
-def _collect_garbage(out_dir: Path):
-    """Delete checkpoints no link points at, and temp folders left by killed writers."""
+def _collect_garbage(out_dir: Path, keep_every: int | None = None):
+    """Delete checkpoints no link points at (except ckpt_NNNNNNN at multiples of keep_every), and temp folders
+    left by killed writers."""
     keep = {(out_dir / link).resolve().name for link in ("latest", "best") if (out_dir / link).is_symlink()}
+    if keep_every:
+        keep |= {p.name for p in out_dir.glob("ckpt_*") if re.fullmatch(r"ckpt_\d{7}", p.name) and int(p.name[5:]) % keep_every == 0}
     for p in out_dir.iterdir():
         stale_tmp = p.name.startswith(".tmp-ckpt_") and not p.name.endswith(f"-{os.getpid()}")
         if (p.name.startswith("ckpt_") and p.name not in keep) or stale_tmp:

@@ -280,16 +280,11 @@ def joint_attention_reference(q, k_glob, v_glob, k_loc, v_loc):
     return probs @ torch.cat([v_glob, v_loc], dim=-2)  # (B, H, N, hd)
 
 
-_MASKS: dict = {}
-
-
 def joint_mask(n: int, device) -> torch.Tensor:
-    """Boolean (N, 2N) mask `(kv mod N) <= q`, cached per (N, device)."""
-    key = (n, str(device))
-    if key not in _MASKS:
-        kv, qi = torch.arange(2 * n, device=device), torch.arange(n, device=device)
-        _MASKS[key] = (kv[None, :] % n) <= qi[:, None]
-    return _MASKS[key]
+    """Boolean (N, 2N) mask `(kv mod N) <= q`. Built on each call, not cached in a module-level dict: torch.compile
+    guards on such a dict and recompiles once it fills; the build costs two aranges and a compare."""
+    kv, qi = torch.arange(2 * n, device=device), torch.arange(n, device=device)
+    return (kv[None, :] % n) <= qi[:, None]
 
 
 def joint_attention_masked(q, k_glob, v_glob, k_loc, v_loc):

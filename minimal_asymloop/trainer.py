@@ -85,12 +85,19 @@ class TrainConfig:
     out_dir: str = "out"
     device: str = "auto"  # auto -> cuda if available, else cpu
     dtype: str = "auto"  # auto -> bfloat16 on CUDA, float32 elsewhere
-    compile: bool = False
+    compile: bool | None = None  # None -> on for CUDA, off for CPU (ours)
+    compile_backend: str = "inductor"  # torch.compile backend (ours): aot_eager checks the capture on CPU in seconds
     seed: int = 1337
     resume: bool = False
     quiet: bool = False  # no prints, no progress bar (notebooks)
     ddp_timeout_s: int = 600  # a rank that dies makes the others fail after this, never hang (ours)
     skip_nonfinite: bool = False  # skip a step whose loss or gradient is inf/NaN (counted, logged) instead of stopping
+    max_skips: int = 10  # ... but stop after this many skipped steps in a row: the run has diverged (ours)
+    keep_every: int | None = None  # also keep the checkpoints at multiples of this step (latest and best are always kept)
+    # Weights & Biases (optional extra: pip install -e ".[wandb]"): the same rows as metrics.jsonl, rank 0 only
+    wandb: bool = False
+    wandb_project: str = "minimal-asymloop"
+    wandb_run_name: str | None = None  # None: wandb picks one
     # ALRS layerwise learning rates (He et al. 2026; alrs.py); --no-alrs and --alrs-range LO HI also work
     alrs: bool | None = None  # None -> on for asymloop, off for dense and full_loop (as in the paper); full_loop + true: Table 4c
     alrs_fit: str = "ww"  # ww: weightwatcher's fit (xmin by KS distance) | hill_median: the reference code's
@@ -103,10 +110,10 @@ class TrainConfig:
     dec_lr_mult: float | None = None
 
     def __post_init__(self):
-        for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "ddp_timeout_s"):
+        for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "ddp_timeout_s", "max_skips"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("micro_batch", "tokens", "max_steps", "stop_step", "bpe_vocab", "max_data_tokens"):
+        for name in ("micro_batch", "tokens", "max_steps", "stop_step", "bpe_vocab", "max_data_tokens", "keep_every"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
@@ -164,8 +171,10 @@ TRAIN_PRESETS = {
                   eval_interval=250, alrs_lo=1.0, alrs_hi=3.0),
 }
 # settings that may change on --resume without changing the result (or only its speed)
-RESUME_MAY_CHANGE = {"out_dir", "device", "compile", "stop_step", "quiet", "resume", "eval_interval", "eval_batches",
-                     "micro_batch", "ddp_timeout_s", "data_cache", "skip_nonfinite"}
+# (not keep_every: resuming without it would delete the checkpoints it kept)
+RESUME_MAY_CHANGE = {"out_dir", "device", "compile", "compile_backend", "stop_step", "quiet", "resume", "eval_interval", "eval_batches",
+                     "micro_batch", "ddp_timeout_s", "data_cache", "skip_nonfinite", "max_skips", "wandb", "wandb_project",
+                     "wandb_run_name"}
 NAN_ENV = "MINIMAL_ASYMLOOP_NAN_STEPS"  # test hook: comma-separated steps (1-based) whose loss is made NaN
 
 
@@ -263,12 +272,15 @@ def evaluate_loss(model, tokens: Tokens, seq_len: int, batch_size: int, n_batche
     return (totals[0] / totals[1]).item()
 
 
-def log_metrics(out_dir, row: dict):
-    """Append one JSON object to out_dir/metrics.jsonl (rank 0 only). Every logged figure goes through here."""
+def log_metrics(out_dir, row: dict, wandb_run=None):
+    """Append one JSON object to out_dir/metrics.jsonl (rank 0 only), and the same row to wandb_run if given.
+    Every logged figure goes through here."""
     if _dist()[0] != 0:
         return
     with open(Path(out_dir) / "metrics.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
+    if wandb_run is not None:
+        wandb_run.log(row)  # as nanoGPT does: wandb's own step counter; plot against the row's "step"
 
 
 def read_metrics(out_dir) -> list[dict]:
@@ -310,16 +322,86 @@ def plot_metrics(out_dir, unigram_entropy: float | None = None) -> Path:
     return path
 
 
+def plot_stable_rank(out_dir) -> Path | None:
+    """srank.png next to loss.png: the normalized stable rank of each matrix group at every evaluation (the paper's
+    Figure 4), or None when no evaluation logged one."""
+    from matplotlib.figure import Figure
+
+    rows = [r for r in read_metrics(out_dir) if "val_loss" in r]
+    keys = sorted({k for r in rows for k in r if k.startswith("srank ")})
+    if not keys:
+        return None
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    for k in keys:
+        pts = [(r["step"], r[k]) for r in rows if k in r]
+        ax.plot(*zip(*pts), "o-", label=k.removeprefix("srank "))
+    ax.set(title=f"Normalized stable rank: {Path(out_dir).name}", xlabel="optimizer step",
+           ylabel=r"$\|W\|_F^2 / (\|W\|_2^2 \cdot \min(m, n))$, group mean")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = Path(out_dir) / "srank.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
 # ----------------------------------------------------------------------------- system helpers
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
+# Peak dense bf16 tensor FLOP/s per GPU (not the "with sparsity" figure, which is twice this), keyed by the exact name
+# torch.cuda.get_device_name reports: PCIe and NVL cards are slower than SXM ones of the same chip. Sources:
+PEAK_BF16_FLOPS = {
+    # NVIDIA H100 Tensor Core GPU datasheet: SXM 1,979 / PCIe 1,513 / NVL 1,671 TFLOPS with sparsity
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    # NVIDIA H200 Tensor Core GPU datasheet: SXM 1,979 / NVL 1,671 TFLOPS with sparsity
+    "NVIDIA H200": 989e12,  # H200 SXM
+    "NVIDIA H200 NVL": 835e12,
+    # NVIDIA GH200 Grace Hopper Superchip datasheet: 1,979 TFLOPS with sparsity
+    "NVIDIA GH200 480GB": 989e12,
+    # NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOPS dense for SXM and PCIe, 40 and 80 GB
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    # NVIDIA L40S datasheet: 362.05 TFLOPS dense (733 with sparsity); L40 datasheet: 181.05; L4 datasheet: 121
+    "NVIDIA L40S": 362.05e12,
+    "NVIDIA L40": 181.05e12,
+    "NVIDIA L4": 121e12,
+    # NVIDIA A10 datasheet: 125 TFLOPS dense (250 with sparsity)
+    "NVIDIA A10": 125e12,
+    # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090) and Ampere GA102 whitepaper (RTX A6000, RTX 3090):
+    # "peak BF16 Tensor TFLOPS with FP32 accumulate", which is what a bf16 matmul in PyTorch uses
+    "NVIDIA GeForce RTX 4090": 165.2e12,
+    "NVIDIA RTX A6000": 154.8e12,
+    "NVIDIA GeForce RTX 3090": 71e12,
+}
 
 
 def gpu_peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
+    """Peak dense bf16 FLOP/s of `device` by its exact product name (PEAK_BF16_FLOPS), None for CPU or an unlisted GPU."""
+    if torch.device(device).type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device).strip())
+
+
+def _peak_flops_or_say_why(device: torch.device, say) -> float | None:
+    peak = gpu_peak_flops(device)
+    if peak is None and device.type == "cuda":
+        say(f"MFU not logged: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name(device)!r} "
+            f"(add its datasheet's dense figure to PEAK_BF16_FLOPS in minimal_asymloop/trainer.py)")
+    return peak
+
+
+def _wandb_module(cfg: TrainConfig):
+    """The wandb package when --wandb is on, else None; a one-line error when it is not installed."""
+    if not cfg.wandb:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError('--wandb needs the wandb package, an optional extra: pip install -e ".[wandb]"') from None
+    return wandb
 
 
 def _autocast(device, dtype):
@@ -418,19 +500,81 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
     with that step), `state_dict()` / `load_state_dict(d)` (checkpointed), and `per_matrix`
     (True: one optimizer group per matrix). None: ALRS as `cfg.alrs` says (make_alrs).
     """
+    run = set_up(model_cfg, cfg, lr_hook)  # data, model, optimizer; resume; compile and DDP
+    flag, t_start = {}, time.time()  # flag["signal"]: set by SIGINT/SIGTERM
+    try:
+        with stop_on_signals(flag):
+            for step in range(run.step, run.stop_at):
+                stop = optimizer_step(run, step, flag)  # True: some rank was asked to stop
+                evaluate_and_checkpoint(run, stop)
+                if stop:
+                    run.say(f"stopped by {flag.get('signal', 'a signal on another rank')} at step {run.step}; checkpoint written, "
+                            f"continue with --resume")
+                    break
+    except RuntimeError as e:
+        if run.world > 1 and (err := _lost_ranks(e, run.rank, run.step + 1, cfg)) is not None:
+            raise err from None
+        raise
+    finally:
+        run.bar.close()
+        if run.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+        if run.wandb is not None:
+            run.wandb.finish()
+    return wrap_up(run, flag, time.time() - t_start)
+
+
+# ----------------------------------------------------------------------------- set-up and resume
+
+
+@dataclass
+class Run:
+    """One training run's state, read and updated by the phases of `train` (a record, not a trainer class)."""
+
+    model_cfg: ModelConfig
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype
+    micro: int  # sequences per forward pass per rank
+    accum: int  # micro-batches per optimizer step per rank
+    data: object  # data.Prepared: train/val tokens, tokenizer, meta
+    raw: LoopedLM  # the model itself: evaluation, checkpoints, ALRS
+    optimizer: torch.optim.Optimizer
+    lr_hook: object
+    out_dir: Path
+    say: object  # print on rank 0 unless quiet
+    model: torch.nn.Module = None  # what the step calls: raw, compiled and/or DDP-wrapped
+    sampler: BatchSampler = None
+    bar: tqdm = None
+    wandb: object = None  # the wandb run (rank 0, --wandb), or None
+    peak_flops: float | None = None  # GPU peak bf16 dense FLOP/s for MFU, None: no MFU
+    step: int = 0  # optimizer steps done
+    stop_at: int = 0
+    best_val: float = math.inf
+    val_loss: float | None = None
+    skipped: int = 0  # non-finite steps skipped (--skip-nonfinite), all told
+    skipped_in_row: int = 0
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
+    """Check the batch arithmetic, prepare data, build model and optimizer, resume if asked, then compile/DDP."""
     rank, world, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-    master = rank == 0
-    say = tqdm.write if master and not cfg.quiet else (lambda *a, **k: None)
+    wandb = _wandb_module(cfg) if rank == 0 else None  # fail now if --wandb cannot work, not after data preparation
     device, dtype = resolve_device(cfg, local_rank)
     micro = cfg.micro_batch or cfg.global_batch // world
     if cfg.global_batch % (micro * world):
         raise ConfigError(f"global_batch={cfg.global_batch} is not divisible by micro_batch={micro} x world_size={world}; "
                           f"pick a micro_batch that divides global_batch/world_size={cfg.global_batch / world:g}")
-    accum = cfg.global_batch // (micro * world)
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}; set --max-seq-len {cfg.seq_len}")
 
-    data = _data_for(model_cfg, cfg, local_rank, quiet=cfg.quiet or not master)
+    data = _data_for(model_cfg, cfg, local_rank, quiet=cfg.quiet or rank != 0)
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the {cfg.tokenizer} tokenizer has {data.vocab_size} tokens but the model's vocab_size is "
                           f"{model_cfg.vocab_size}; set --vocab-size {data.vocab_size} or more (the paper pads T5's 32100 to 32128)")
@@ -442,175 +586,241 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
         torch.backends.cudnn.allow_tf32 = True
 
     torch.manual_seed(cfg.seed)
-    model = LoopedLM(model_cfg).to(device)
+    raw = LoopedLM(model_cfg).to(device)
     if lr_hook is None:
         lr_hook = make_alrs(cfg, model_cfg.arch)
     per_matrix = bool(getattr(lr_hook, "per_matrix", False))
-    fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay, per_matrix), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
-    out_dir = Path(cfg.out_dir)
-    start_step, best_val, skipped = 0, math.inf, 0
-    if master:
-        check_out_dir(out_dir)
+    optimizer = torch.optim.AdamW(param_groups(raw, cfg.weight_decay, per_matrix), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                  fused=device.type == "cuda")
+    run = Run(model_cfg, cfg, rank, world, device, dtype, micro, cfg.global_batch // (micro * world), data, raw, optimizer, lr_hook,
+              Path(cfg.out_dir), tqdm.write if rank == 0 and not cfg.quiet else (lambda *a, **k: None))
+    if run.master:
+        check_out_dir(run.out_dir)
     if cfg.resume:
-        meta = ckpt.read_meta(out_dir)
-        _check_resume(meta, model_cfg, cfg, data.meta)
-        state = ckpt.load_state(meta["path"])
-        ckpt.load_weights(model, Path(meta["path"]))
-        optimizer.load_state_dict(state["optimizer"])
-        for g in optimizer.param_groups:  # the device may have changed since the save
-            g["fused"], g["foreach"] = (True, None) if fused else (None, None)
-        if (state.get("lr_hook") is None) != (lr_hook is None):
-            raise ConfigError(f"cannot resume from {meta['path']}: it was trained {'with' if lr_hook is None else 'without'} an LR hook "
-                              f"(ALRS); resume with the same setting")
-        if lr_hook is not None:
-            lr_hook.load_state_dict(state["lr_hook"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if device.type == "cuda" and state["rng"].get("cuda"):
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        start_step, best_val, skipped = state["step"], state["best_val_loss"], state.get("nonfinite_skipped", 0)
-        if master:
-            _trim_metrics(out_dir, start_step)
-        say(f"resumed from {meta['path']} at step {start_step}")
-    elif master:
-        if (out_dir / "latest").exists():
-            say(f"note: starting fresh in {out_dir}; its old checkpoints will be replaced (use --resume to continue them)")
-        (out_dir / "metrics.jsonl").write_text("")
+        resume(run)
+    elif run.master:
+        if (run.out_dir / "latest").exists():
+            run.say(f"note: starting fresh in {run.out_dir}; its old checkpoints will be replaced (use --resume to continue them)")
+        (run.out_dir / "metrics.jsonl").write_text("")
 
-    raw = model
-    if cfg.compile:
-        model = torch.compile(model)
-    if world > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    run.model = compile_and_wrap(run)
+    run.stop_at = min(cfg.total_steps(), cfg.stop_step or cfg.total_steps())
+    run.sampler = BatchSampler(data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
+    run.peak_flops = _peak_flops_or_say_why(device, run.say)
+    describe(run)
+    if wandb is not None:
+        run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
+                               config=dict(model=model_cfg.to_dict(), train=asdict(cfg), params=count_params(model_cfg)))
+    run.bar = tqdm(total=cfg.total_steps(), initial=run.step, disable=not run.master or cfg.quiet, unit="step", dynamic_ncols=True)
+    return run
 
-    total = cfg.total_steps()
-    stop_at = min(total, cfg.stop_step or total)
-    tokens_per_step = cfg.global_batch * cfg.seq_len
-    flops = flops_per_token(model_cfg, cfg.seq_len)["total"]
-    peak = gpu_peak_flops(device)
-    n_params = count_params(model_cfg)
-    say(f"model: {json.dumps(model_cfg.to_dict())}\ntrain: {json.dumps(asdict(cfg))}")
-    say(f"{model_cfg.arch} K={model_cfg.n_iter}: {n_params / 1e6:.2f}M parameters, effective depth {model_cfg.effective_depth}, "
-        f"{flops / 1e6:.1f} MFLOPs/token forward at seq {cfg.seq_len}")
-    say(f"{tokens_per_step:,} tokens/step (global batch {cfg.global_batch} = micro {micro} x accum {accum} x world {world}), "
-        f"{total} steps = {total * tokens_per_step / 1e6:.1f}M tokens ({total * tokens_per_step / n_params:.2f} tokens/param); "
-        f"{device} {str(dtype).removeprefix('torch.')}{' compiled' if cfg.compile else ''}")
-    if isinstance(lr_hook, alrs.ALRS):
-        say(lr_hook.describe(raw))
-    say(f"data: {data.meta['n_train_tokens']:,} train / {data.meta['n_val_tokens']:,} val tokens; "
-        f"val unigram entropy {data.unigram_entropy:.3f} nats/token (the loss of the best context-free model)")
 
-    sampler = BatchSampler(data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
-    meta_base = dict(model_config=model_cfg.to_dict(), train_config=asdict(cfg), params=n_params,
-                     data=dict(source=cfg.data, identity=data.meta["identity"], tokenizer=data.meta["tokenizer"],
-                               vocab_size=data.vocab_size, unigram_entropy=data.unigram_entropy))
+def resume(run: Run):
+    """Load weights, optimizer, LR-hook state, RNG and counters from out_dir/latest; drop metrics logged after it."""
+    meta = ckpt.read_meta(run.out_dir)
+    _check_resume(meta, run.model_cfg, run.cfg, run.data.meta)
+    state = ckpt.load_state(meta["path"])
+    ckpt.load_weights(run.raw, Path(meta["path"]))
+    run.optimizer.load_state_dict(state["optimizer"])
+    for g in run.optimizer.param_groups:  # the device may have changed since the save
+        g["fused"], g["foreach"] = (True, None) if run.device.type == "cuda" else (None, None)
+    if (state.get("lr_hook") is None) != (run.lr_hook is None):
+        raise ConfigError(f"cannot resume from {meta['path']}: it was trained {'with' if run.lr_hook is None else 'without'} an LR hook "
+                          f"(ALRS); resume with the same setting")
+    if run.lr_hook is not None:
+        run.lr_hook.load_state_dict(state["lr_hook"])
+    restore_rng(state["rng"], run.device)
+    run.step, run.best_val, run.skipped = state["step"], state["best_val_loss"], state.get("nonfinite_skipped", 0)
+    if run.master:
+        _trim_metrics(run.out_dir, run.step)
+    run.say(f"resumed from {meta['path']} at step {run.step}")
 
-    def evaluate() -> float:
-        return evaluate_loss(raw, data.val, cfg.seq_len, cfg.global_batch, cfg.eval_batches, device, dtype, micro)  # eager, unwrapped
 
-    def save(step: int, val_loss: float | None, best: bool):
-        if not master:
-            return
-        state = dict(step=step, samples_seen=step * cfg.global_batch, optimizer=optimizer.state_dict(), best_val_loss=best_val,
-                     rng=dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else []),
-                     lr_hook=lr_hook.state_dict() if lr_hook is not None else None, nonfinite_skipped=skipped)
-        ckpt.save_checkpoint(out_dir, raw, state, dict(meta_base, step=step, val_loss=val_loss, best_val_loss=best_val),
-                             data.tokenizer, best=best)
+def rng_state(device: torch.device) -> dict:
+    """This process's RNG: CPU, and the current CUDA device's (not every visible GPU's, so that a checkpoint
+    resumes on any number of GPUs, or on CPU). Every rank seeds alike and draws alike, so rank 0's is every rank's."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
-    flag, val_loss, done, t_start, nan_steps = {}, None, start_step, time.time(), _nan_steps()
-    bar = tqdm(total=total, initial=start_step, disable=not master or cfg.quiet, unit="step", dynamic_ncols=True)
-    try:
-        with stop_on_signals(flag):
-            for step in range(start_step, stop_at):
-                t0 = time.time()
-                extra = lr_hook.on_step(step, raw, optimizer) if lr_hook is not None else None
-                lr = lr_at(step, cfg)
-                for g in optimizer.param_groups:
-                    g["lr"] = lr * g["lr_mult"]
-                ce_sum = torch.zeros((), device=device)
-                aux_sum: dict = {}
-                for m in range(accum):
-                    first = rank * micro * accum + m * micro  # this rank's rows of the global batch
-                    x, y = (torch.from_numpy(a).to(device, non_blocking=True) for a in sampler.batch(step, slice(first, first + micro)))
-                    # DDP: all-reduce gradients only on the last micro-step
-                    sync = nullcontext() if world == 1 or m == accum - 1 else model.no_sync()
-                    with sync:
-                        with _autocast(device, dtype):
-                            loss, ce, aux = compute_loss(model, x, y)  # (B, T) tokens -> scalar
-                        if step + 1 in nan_steps:  # test hook (NAN_ENV): a NaN loss, and so NaN gradients
-                            loss, ce = loss * math.nan, ce * math.nan
-                        (loss / accum).backward()
-                    ce_sum += ce.detach() / accum
-                    for k, v in aux.items():
-                        aux_sum[k] = aux_sum.get(k, 0.0) + v.detach() / accum
-                grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
-                # one small all-reduce: mean loss over ranks, and whether any rank was asked to stop
-                stop_req = torch.tensor(float(bool(flag)), device=device)
-                stats = torch.stack([ce_sum.float(), stop_req, *[v.float() for v in aux_sum.values()]])
-                if world > 1:
-                    dist.all_reduce(stats)
-                    stats /= world  # stats[1] > 0 still means "some rank got a signal"
-                loss_val, stop, gn = stats[0].item(), stats[1].item() > 0, grad_norm.item()
-                finite = math.isfinite(loss_val) and math.isfinite(gn)
-                if not finite and not cfg.skip_nonfinite:
-                    raise NonFiniteLossError(f"non-finite {'loss' if not math.isfinite(loss_val) else 'gradient norm'} at step {step + 1} "
-                                             f"(loss {loss_val}, grad norm {gn}); stopped before applying it. The last good checkpoint "
-                                             f"is {out_dir / 'latest'}; try a lower --lr or --dtype float32, or --skip-nonfinite")
-                if finite:
-                    optimizer.step()
-                else:  # --skip-nonfinite: drop this step's update (the LR schedule and data order move on)
-                    skipped += 1
-                    say(f"step {step + 1}: non-finite loss {loss_val} / grad norm {gn}; step skipped ({skipped} skipped so far)")
-                optimizer.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.time() - t0
-                row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn,
-                           tok_per_s=tokens_per_step / dt, step_s=dt)
-                row.update({k: v.item() for k, v in zip(aux_sum, stats[2:])})
-                if skipped:
-                    row["nonfinite_skipped"] = skipped
-                row.update(raw.moe_load_entropy())  # MoE: per-layer expert-load entropy, last micro-batch of rank 0
-                if peak:
-                    row["mfu"] = 3 * flops * tokens_per_step / dt / (peak * world)
-                if extra:
-                    row.update(extra)
-                log_metrics(out_dir, row)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{row['tok_per_s']:,.0f}", refresh=False)
-                done = step + 1
-                if done % cfg.eval_interval == 0 or done == total:
-                    val_loss = evaluate()
-                    improved = val_loss < best_val
-                    best_val = min(best_val, val_loss)
-                    log_metrics(out_dir, dict(step=done, tokens=done * tokens_per_step, val_loss=val_loss, val_ppl=math.exp(val_loss)))
-                    say(f"step {done}: val loss {val_loss:.4f} (ppl {math.exp(val_loss):.1f}), unigram entropy {data.unigram_entropy:.3f}")
-                    save(done, val_loss, improved)
-                elif stop or done == stop_at:
-                    save(done, None, False)
-                if stop:
-                    say(f"stopped by {flag.get('signal', 'a signal on another rank')} at step {done}; checkpoint written, "
-                        f"continue with --resume")
-                    break
-    except RuntimeError as e:
-        if world > 1 and (err := _lost_ranks(e, rank, done + 1, cfg)) is not None:
-            raise err from None
-        raise
-    finally:
-        bar.close()
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-    result = dict(step=done, total_steps=total, val_loss=val_loss, best_val_loss=best_val, unigram_entropy=data.unigram_entropy,
-                  interrupted=bool(flag) or done < total, seconds=time.time() - t_start, params=n_params, out_dir=str(out_dir))
-    result["nonfinite_skipped"] = skipped
-    if master:
-        result["history"] = read_metrics(out_dir)
-        if result["history"]:
-            result["plot"] = str(plot_metrics(out_dir, data.unigram_entropy))
-        if isinstance(lr_hook, alrs.ALRS) and (rep := alrs.report(out_dir, result["history"], lr_hook.ramp_len, done)):
-            result["alrs_plot"] = rep[0]
-            say(rep[1])
-        if val_loss is not None and not result["interrupted"]:
-            say(f"final val loss {val_loss:.4f} nats/token (ppl {math.exp(val_loss):.1f}) vs unigram entropy "
-                f"{data.unigram_entropy:.3f} after {done} steps, {result['seconds']:.0f}s; checkpoints and loss.png in {out_dir}")
+
+def restore_rng(rng: dict, device: torch.device):
+    """Set the RNG from rng_state(): the CUDA part only on a CUDA device (a CPU resume has no CUDA generator to set)."""
+    torch.set_rng_state(rng["torch"])
+    cuda = rng.get("cuda")
+    if isinstance(cuda, (list, tuple)):  # older checkpoints: rank 0's state of every visible GPU; rank 0 ran on the first
+        cuda = cuda[0] if cuda else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def compile_and_wrap(run: Run) -> torch.nn.Module:
+    """The module the training step calls. Compile the model, then wrap it in DDP, the order PyTorch documents
+    ("Where to apply torch.compile?", docs.pytorch.org/docs/stable/compile/programming_model.where_to_apply_compile.html):
+    DDP's forward marks itself active, so dynamo compiles the inner model with DDPOptimizer, which splits the graph at
+    gradient-bucket boundaries and so overlaps the all-reduce with backward. Evaluation runs `run.raw`, eagerly."""
+    model = run.raw
+    if compile_on(run.cfg, run.device):
+        if run.cfg.compile_backend not in (known := torch.compiler.list_backends(exclude_tags=())):
+            raise ConfigError(f"unknown compile_backend {run.cfg.compile_backend!r}; choose one of {', '.join(known)} (default inductor)")
+        model = torch.compile(model, backend=run.cfg.compile_backend)
+    if run.world > 1:
+        model = DDP(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    return model
+
+
+def compile_on(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.compile if cfg.compile is not None else device.type == "cuda"  # auto: on for CUDA, off for CPU (ours)
+
+
+def describe(run: Run):
+    cfg, mc, tokens_per_step = run.cfg, run.model_cfg, run.cfg.global_batch * run.cfg.seq_len
+    n_params, total = count_params(mc), cfg.total_steps()
+    run.say(f"model: {json.dumps(mc.to_dict())}\ntrain: {json.dumps(asdict(cfg))}")
+    run.say(f"{mc.arch} K={mc.n_iter}: {n_params / 1e6:.2f}M parameters, effective depth {mc.effective_depth}, "
+            f"{flops_per_token(mc, cfg.seq_len)['total'] / 1e6:.1f} MFLOPs/token forward at seq {cfg.seq_len}")
+    run.say(f"{tokens_per_step:,} tokens/step (global batch {cfg.global_batch} = micro {run.micro} x accum {run.accum} x world "
+            f"{run.world}), {total} steps = {total * tokens_per_step / 1e6:.1f}M tokens ({total * tokens_per_step / n_params:.2f} "
+            f"tokens/param); {run.device} {str(run.dtype).removeprefix('torch.')}{' compiled' if compile_on(cfg, run.device) else ''}")
+    if isinstance(run.lr_hook, alrs.ALRS):
+        run.say(run.lr_hook.describe(run.raw))
+    run.say(f"data: {run.data.meta['n_train_tokens']:,} train / {run.data.meta['n_val_tokens']:,} val tokens; "
+            f"val unigram entropy {run.data.unigram_entropy:.3f} nats/token (the loss of the best context-free model)")
+
+
+# ----------------------------------------------------------------------------- one optimizer step
+
+
+def optimizer_step(run: Run, step: int, flag: dict) -> bool:
+    """Set the LR, accumulate gradients over micro-batches, clip, step (or skip a non-finite step), log the row.
+    Returns True when any rank was asked to stop (a signal set `flag` here or on another rank)."""
+    cfg, t0 = run.cfg, time.time()
+    extra = run.lr_hook.on_step(step, run.raw, run.optimizer) if run.lr_hook is not None else None
+    lr = lr_at(step, cfg)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr * g["lr_mult"]
+    ce_sum, aux_sum = accumulate_gradients(run, step)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.grad_clip)
+    # one small all-reduce: mean loss over ranks, and whether any rank was asked to stop
+    stats = torch.stack([ce_sum.float(), torch.tensor(float(bool(flag)), device=run.device), *[v.float() for v in aux_sum.values()]])
+    if run.world > 1:
+        dist.all_reduce(stats)
+        stats /= run.world  # stats[1] > 0 still means "some rank got a signal"
+    loss_val, stop, gn = stats[0].item(), stats[1].item() > 0, grad_norm.item()
+    if math.isfinite(loss_val) and math.isfinite(gn):
+        run.optimizer.step()
+        run.skipped_in_row = 0
+    else:
+        skip_or_stop(run, step, loss_val, gn)  # drops this step's update (the LR schedule and data order move on)
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()
+    dt, tokens_per_step = time.time() - t0, cfg.global_batch * cfg.seq_len
+    row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn, tok_per_s=tokens_per_step / dt,
+               step_s=dt)
+    row.update({k: v.item() for k, v in zip(aux_sum, stats[2:])})
+    if run.skipped:
+        row["nonfinite_skipped"] = run.skipped
+    row.update(run.raw.moe_load_entropy())  # MoE: per-layer expert-load entropy, last micro-batch of rank 0
+    if run.peak_flops:
+        row["mfu"] = 3 * flops_per_token(run.model_cfg, cfg.seq_len)["total"] * tokens_per_step / dt / (run.peak_flops * run.world)
+    row.update(extra or {})
+    log_metrics(run.out_dir, row, run.wandb)
+    run.bar.update(1)
+    run.bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{row['tok_per_s']:,.0f}", refresh=False)
+    run.step = step + 1
+    return stop
+
+
+def accumulate_gradients(run: Run, step: int) -> tuple[torch.Tensor, dict]:
+    """Forward and backward over this rank's `accum` micro-batches of the step's global batch; (mean CE, mean aux losses)."""
+    ce_sum, aux_sum, nan_steps = torch.zeros((), device=run.device), {}, _nan_steps()
+    for m in range(run.accum):
+        first = run.rank * run.micro * run.accum + m * run.micro  # this rank's rows of the global batch
+        x, y = (torch.from_numpy(a).to(run.device, non_blocking=True) for a in run.sampler.batch(step, slice(first, first + run.micro)))
+        # DDP: all-reduce gradients only on the last micro-step
+        with nullcontext() if run.world == 1 or m == run.accum - 1 else run.model.no_sync():
+            with _autocast(run.device, run.dtype):
+                loss, ce, aux = compute_loss(run.model, x, y)  # (B, T) tokens -> scalar
+            if step + 1 in nan_steps:  # test hook (NAN_ENV): a NaN loss, and so NaN gradients
+                loss, ce = loss * math.nan, ce * math.nan
+            (loss / run.accum).backward()
+        ce_sum += ce.detach() / run.accum
+        for k, v in aux.items():
+            aux_sum[k] = aux_sum.get(k, 0.0) + v.detach() / run.accum
+    return ce_sum, aux_sum
+
+
+def skip_or_stop(run: Run, step: int, loss_val: float, gn: float):
+    """A non-finite loss or gradient: stop (the default), or skip the update (--skip-nonfinite, up to max_skips in a row)."""
+    what = "loss" if not math.isfinite(loss_val) else "gradient norm"
+    latest = run.out_dir / "latest"
+    if not run.cfg.skip_nonfinite:
+        raise NonFiniteLossError(f"non-finite {what} at step {step + 1} (loss {loss_val}, grad norm {gn}); stopped before applying it. "
+                                 f"The last good checkpoint is {latest}; try a lower --lr or --dtype float32, or --skip-nonfinite")
+    run.skipped, run.skipped_in_row = run.skipped + 1, run.skipped_in_row + 1
+    if run.skipped_in_row > run.cfg.max_skips:
+        raise NonFiniteLossError(f"non-finite {what} at {run.skipped_in_row} steps in a row, up to step {step + 1}: the run has diverged, "
+                                 f"skipping will not recover it (--max-skips {run.cfg.max_skips}). The last good checkpoint is "
+                                 f"{latest}; try a lower --lr or --dtype float32")
+    run.say(f"step {step + 1}: non-finite loss {loss_val} / grad norm {gn}; step skipped ({run.skipped} skipped so far)")
+
+
+# ----------------------------------------------------------------------------- evaluate and checkpoint
+
+
+def evaluate_and_checkpoint(run: Run, stop: bool):
+    """At every eval_interval (and the last step): val loss and stable ranks, logged, then a checkpoint. A checkpoint
+    without evaluation at a stop, at stop_step and at multiples of keep_every."""
+    cfg, done = run.cfg, run.step
+    if done % cfg.eval_interval == 0 or done == cfg.total_steps():
+        run.val_loss = evaluate_loss(run.raw, run.data.val, cfg.seq_len, cfg.global_batch, cfg.eval_batches, run.device, run.dtype,
+                                     run.micro)  # eager, unwrapped
+        improved = run.val_loss < run.best_val
+        run.best_val = min(run.best_val, run.val_loss)
+        row = dict(step=done, tokens=done * cfg.global_batch * cfg.seq_len, val_loss=run.val_loss, val_ppl=math.exp(run.val_loss))
+        if run.master:  # the normalized stable rank of the paper's Figure 4: one SVD per matrix, so rank 0 only
+            row.update(alrs.stable_rank_summary(run.raw))
+        log_metrics(run.out_dir, row, run.wandb)
+        run.say(f"step {done}: val loss {run.val_loss:.4f} (ppl {math.exp(run.val_loss):.1f}), unigram entropy "
+                f"{run.data.unigram_entropy:.3f}")
+        save(run, run.val_loss, improved)
+    elif stop or done == run.stop_at or (cfg.keep_every and done % cfg.keep_every == 0):
+        save(run, None, False)
+
+
+def save(run: Run, val_loss: float | None, best: bool):
+    if not run.master:
+        return
+    cfg, data = run.cfg, run.data
+    state = dict(step=run.step, samples_seen=run.step * cfg.global_batch, optimizer=run.optimizer.state_dict(), best_val_loss=run.best_val,
+                 rng=rng_state(run.device), lr_hook=run.lr_hook.state_dict() if run.lr_hook is not None else None,
+                 nonfinite_skipped=run.skipped)
+    meta = dict(model_config=run.model_cfg.to_dict(), train_config=asdict(cfg), params=count_params(run.model_cfg),
+                data=dict(source=cfg.data, identity=data.meta["identity"], tokenizer=data.meta["tokenizer"], vocab_size=data.vocab_size,
+                          unigram_entropy=data.unigram_entropy),
+                step=run.step, val_loss=val_loss, best_val_loss=run.best_val)
+    ckpt.save_checkpoint(run.out_dir, run.raw, state, meta, data.tokenizer, best=best, keep_every=cfg.keep_every)
+
+
+# ----------------------------------------------------------------------------- wrap-up
+
+
+def wrap_up(run: Run, flag: dict, seconds: float) -> dict:
+    """The result dict; on rank 0 the metrics history, loss.png, srank.png and the ALRS report."""
+    done, total = run.step, run.cfg.total_steps()
+    result = dict(step=done, total_steps=total, val_loss=run.val_loss, best_val_loss=run.best_val, unigram_entropy=run.data.unigram_entropy,
+                  interrupted=bool(flag) or done < total, seconds=seconds, params=count_params(run.model_cfg), out_dir=str(run.out_dir),
+                  nonfinite_skipped=run.skipped, signal=flag.get("signal"))
+    if not run.master:
+        return result
+    result["history"] = read_metrics(run.out_dir)
+    if result["history"]:
+        result["plot"] = str(plot_metrics(run.out_dir, run.data.unigram_entropy))
+    if (srank := plot_stable_rank(run.out_dir)) is not None:
+        result["srank_plot"] = str(srank)
+    if isinstance(run.lr_hook, alrs.ALRS) and (rep := alrs.report(run.out_dir, result["history"], run.lr_hook.ramp_len, done)):
+        result["alrs_plot"] = rep[0]
+        run.say(rep[1])
+    if run.val_loss is not None and not result["interrupted"]:
+        run.say(f"final val loss {run.val_loss:.4f} nats/token (ppl {math.exp(run.val_loss):.1f}) vs unigram entropy "
+                f"{run.data.unigram_entropy:.3f} after {done} steps, {seconds:.0f}s; checkpoints and loss.png in {run.out_dir}")
     return result

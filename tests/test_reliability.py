@@ -123,13 +123,14 @@ def test_kill9_sigterm_sigint_then_resume_equals_an_uninterrupted_run(data_cache
     assert s > k and _latest_step(run) == k and ckpt.load_model(run)[2]["step"] == k
 
     # 4./5. SIGTERM (preemption) and SIGINT (Ctrl-C), sent while a checkpoint is being written: the write finishes,
-    # the next step runs, a checkpoint of it is written and the process exits 0 with a message
+    # the next step runs, a checkpoint of it is written and the process exits 128 + the signal (143, 130) with a message,
+    # so that a scheduler requeues it
     for sig in (signal.SIGTERM, signal.SIGINT):
         log = tmp_path / sig.name
         p = _start(resume, log, slow)
         s = _wait_for(lambda pid=p.pid: _writing(run, pid), p, log)
         p.send_signal(sig)
-        assert _finish(p, log) == 0, _tail(log)
+        assert _finish(p, log) == 128 + sig, _tail(log)
         assert f"stopped by {sig.name} at step {s + 1}; checkpoint written, continue with --resume" in log.with_suffix(".out").read_text()
         assert _latest_step(run) == s + 1
 

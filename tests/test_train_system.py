@@ -1,6 +1,5 @@
 """The trainer as a system: DDP under torchrun, signals, and the bf16 + compile path."""
 
-import functools
 import os
 import signal
 import subprocess
@@ -78,7 +77,7 @@ def test_sigint_checkpoints_and_resume_continues(tiny_configs):
 
 
 @pytest.mark.slow  # a fresh interpreter imports torch (~10 s on a shared box)
-def test_sigterm_from_outside_writes_checkpoint_and_exits_cleanly(data_cache, tmp_path):
+def test_sigterm_from_outside_writes_checkpoint_and_exits_143_for_a_requeue(data_cache, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train_minimal.py"), *cli_args(data_cache, out, max_steps=100000, eval_interval=100000)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -88,17 +87,16 @@ def test_sigterm_from_outside_writes_checkpoint_and_exits_cleanly(data_cache, tm
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == 143, err[-2000:]  # 128 + SIGTERM: a scheduler requeues the job
     steps = [r["step"] for r in read_metrics(out)]
     assert steps == list(range(1, len(steps) + 1)) and ckpt.read_meta(out)["step"] == steps[-1] >= 3
 
 
 @pytest.mark.slow  # torch.compile tracing takes ~25 s even for this model; bf16 matmuls are slow on CPU
-def test_bf16_and_compile_smoke(tiny_configs, monkeypatch):
+def test_bf16_and_compile_smoke(tiny_configs):
     # On CPU the inductor backend spends minutes in C++ codegen; aot_eager still runs dynamo's capture of the
     # whole model (joint attention's autograd.Function included) and AOT autograd, which is what can break.
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    mcfg, tcfg = tiny_configs(max_steps=3, eval_interval=3, dtype="bfloat16", compile=True)
+    mcfg, tcfg = tiny_configs(max_steps=3, eval_interval=3, dtype="bfloat16", compile=True, compile_backend="aot_eager")
     res = train(mcfg, tcfg)
     losses = [r["loss"] for r in res["history"] if "loss" in r]
     assert len(losses) == 3 and all(abs(x - 6.24) < 0.5 for x in losses)  # near ln(512) at init, finite
