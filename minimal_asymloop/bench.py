@@ -513,14 +513,15 @@ def gpu_report(device, scale="full", compile_backend="inductor", cache_dir="data
     for name, run in sections.items():
         say(f"[{name}]")
         t0 = time.perf_counter()
-        try:
+        try:  # (ours) one broken section must not cost the rest of a short GPU session
             report[name] = run()
-        except Exception as e:  # (ours) one broken section must not cost the rest of a short GPU session
-            report[name] = dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
+            report[name]["seconds"] = round(time.perf_counter() - t0, 1)
+            _say_section(name, report[name], say)
+        except Exception as e:
+            report[name] = {**report.get(name, {}), "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}",
+                            "seconds": round(time.perf_counter() - t0, 1)}
             report["failed"].append(name)
             say(f"  FAILED: {report[name]['error']}")
-        report[name]["seconds"] = round(time.perf_counter() - t0, 1)
-        _say_section(name, report[name], say)
         if out:
             Path(out).write_text(json.dumps(report, indent=1, default=str))
     report["total_seconds"] = round(time.perf_counter() - start, 1)
