@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 JOINT_IMPLS = ("auto", "flash", "flex", "masked")
 ENV = "MINIMAL_ASYMLOOP_JOINT_ATTENTION"
-_choice = {"impl": os.environ.get(ENV, "auto")}  # a dict, so set_joint_attention needs no `global`
+_choice = {"impl": "auto"}  # a dict, so set_joint_attention needs no `global`
 _reported: set = set()
 
 
@@ -34,6 +34,13 @@ def set_joint_attention(impl: str):
     if impl not in JOINT_IMPLS:
         raise ValueError(f"unknown joint attention implementation {impl!r}; choose one of {', '.join(JOINT_IMPLS)}")
     _choice["impl"] = impl
+
+
+if os.environ.get(ENV):
+    try:
+        set_joint_attention(os.environ[ENV])
+    except ValueError as e:
+        raise ValueError(f"{ENV}: {e}") from None
 
 
 def flash_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

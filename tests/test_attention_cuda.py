@@ -5,6 +5,9 @@ the tests marked `cuda` check values on a GPU when one is present.
 """
 
 import logging
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -124,6 +127,16 @@ def test_implementation_choice_is_explicit(caplog):
         kernels.joint_attention_impl(*cpu, torch.float16, 64)
     with pytest.raises(ValueError, match="unknown joint attention implementation 'fast'; choose one of auto, flash, flex, masked"):
         kernels.set_joint_attention("fast")
+
+
+def test_environment_variable_forces_an_implementation():
+    def choice_with(value):
+        code = "from minimal_asymloop import kernels; print(kernels._choice['impl'])"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, kernels.ENV: value})
+
+    assert choice_with("masked").stdout.strip() == "masked"
+    bad = choice_with("fastest")
+    assert bad.returncode == 1 and "MINIMAL_ASYMLOOP_JOINT_ATTENTION: unknown joint attention implementation 'fastest'" in bad.stderr
 
 
 def test_cuda_flash_rules_without_a_gpu():
