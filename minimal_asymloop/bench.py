@@ -278,7 +278,7 @@ def bench_train(args):
 # (ours) "full": the <= 8-minute check on one H100/H200; "tiny": every section in seconds, for tests on CPU
 GPU_SCALES = {
     "full": dict(attn=(8, 6, 1024, 128), size="60m", batch=32, seq=1024, prompt=256, new_tokens=16,
-                 data_tokens=2_000_000, bpe_vocab=8192, min_time=4.0, max_steps=20, budget_s=420, model={}),
+                 data_tokens=2_000_000, bpe_vocab=8192, min_time=4.0, max_steps=20, budget_s=360, model={}),
     "tiny": dict(attn=(2, 2, 64, 16), size="tiny", batch=2, seq=64, prompt=16, new_tokens=4,
                  data_tokens=100_000, bpe_vocab=512, min_time=0.0, max_steps=3, budget_s=600,
                  model=dict(n_layer=2, d_model=64, n_head=2, d_ff=128, vocab_size=512)),

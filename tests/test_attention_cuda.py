@@ -221,9 +221,9 @@ def test_cuda_bf16_impls_match_fp32_reference(impl):
     fn = torch.compile(IMPLS[impl]) if impl == "flex" else IMPLS[impl]
     xs16 = [x.detach().bfloat16().requires_grad_() for x in xs]
     out, grads = forward_backward(fn, xs16, d_out.bfloat16())
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g.float(), r, atol=5e-2, rtol=5e-2)
+    for name, a, r in zip(("out", "dq", "dK_glob", "dV_glob", "dK_loc", "dV_loc"), (out, *grads), (ref, *ref_grads)):
+        err = ((a.float() - r).abs().max() / r.abs().max()).item()  # bf16 against fp32, relative to the scale
+        assert err <= 3e-2, f"{impl} {name}: max |error| / max |reference| = {err:.2e}"
 
 
 @cuda
