@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minimal_asymloop import kernels
+
 ARCHS = ("dense", "full_loop", "asymloop")
 CONTEXTS = ("global_kv", "additive", "none")
 BACKBONES = ("llama", "olmo2")
@@ -162,6 +164,14 @@ class ModelConfig:
 # ----------------------------------------------------------------------------- backbone pieces
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose scale follows the input's dtype. Under bf16 autocast QKNorm (and OLMo-2's output
+    norms) see bf16 activations; an fp32 scale would push them off the fused kernel and out in fp32."""
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 class Rotary(nn.Module):
     """RoPE tables (rotate-half convention) for positions 0..max_seq_len-1."""
 
@@ -184,7 +194,7 @@ class Rotary(nn.Module):
     def forward(self, x, start: int = 0):
         """Rotate x (B, H, N, hd) as if it sat at positions start..start+N-1."""
         n = x.size(-2)
-        cos, sin = self.cos[start:start + n].to(x.dtype), self.sin[start:start + n].to(x.dtype)
+        cos, sin = self.cos.narrow(0, start, n).to(x.dtype), self.sin.narrow(0, start, n).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -300,42 +310,50 @@ def merge_by_lse(o_a, lse_a, o_b, lse_b):
     return (w_a * o_a.float() + w_b * o_b.float()).to(o_a.dtype), lse
 
 
-class _JointFlashCPU(torch.autograd.Function):
-    """Two causal flash-attention calls merged by log-sum-exp, with an exact backward.
+class _JointFlash(torch.autograd.Function):
+    """Two causal flash-attention calls merged by log-sum-exp, with an exact backward (CPU and CUDA).
 
-    The CPU flash kernel's logsumexp carries no gradient, so a naive merge is wrong in
-    backward. Flash backward only needs (dO, O, LSE): given the *merged* O and LSE, each
-    half's backward reproduces its share of the one joint softmax, and dq is their sum.
+    The flash kernels' logsumexp carries no gradient, so a naive merge is wrong in backward.
+    Flash backward only needs (dO, O, LSE): given the *merged* O and LSE, each half's
+    backward reproduces its share of the one joint softmax, and dq is their sum.
     """
 
     @staticmethod
     def forward(ctx, q, k_glob, v_glob, k_loc, v_loc):
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        o_g, lse_g = flash(q, k_glob, v_glob, 0.0, True)
-        o_l, lse_l = flash(q, k_loc, v_loc, 0.0, True)
+        o_g, lse_g, state_g = kernels.causal_flash_forward(q, k_glob, v_glob)
+        o_l, lse_l, state_l = kernels.causal_flash_forward(q, k_loc, v_loc)
         out, lse = merge_by_lse(o_g, lse_g, o_l, lse_l)
-        ctx.save_for_backward(q, k_glob, v_glob, k_loc, v_loc, out, lse)
+        ctx.save_for_backward(q, k_glob, v_glob, k_loc, v_loc, out, lse, *state_g, *state_l)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k_glob, v_glob, k_loc, v_loc, out, lse = ctx.saved_tensors
-        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k_glob, v_glob, k_loc, v_loc, out, lse, *state = ctx.saved_tensors
         d_out = d_out.contiguous()
-        dq_g, dk_g, dv_g = bwd(d_out, q, k_glob, v_glob, out, lse, 0.0, True)
-        dq_l, dk_l, dv_l = bwd(d_out, q, k_loc, v_loc, out, lse, 0.0, True)
+        dq_g, dk_g, dv_g = kernels.causal_flash_backward(d_out, q, k_glob, v_glob, out, lse, state[:2])
+        dq_l, dk_l, dv_l = kernels.causal_flash_backward(d_out, q, k_loc, v_loc, out, lse, state[2:])
         return dq_g + dq_l, dk_g, dv_g, dk_l, dv_l
+
+
+def joint_attention_flash(q, k_glob, v_glob, k_loc, v_loc):
+    """Joint attention as two causal flash calls merged by log-sum-exp (about 2x one causal call)."""
+    return _JointFlash.apply(q, k_glob, v_glob, k_loc, v_loc)
 
 
 def joint_attention(q, k_glob, v_glob, k_loc, v_loc):
     """One softmax over Global keys j<=i and Local keys j<=i. All tensors (B, H, N, hd).
 
-    CPU: two fused causal flash calls merged by log-sum-exp (about 2x causal SDPA; the
-    masked 2N-key call cannot skip masked blocks and costs more, see `bench attention`).
-    Other devices: one fused SDPA call over [K_glob; K_loc] with the cached joint mask.
+    Runs `joint_attention_flash` where the flash kernels exist (CPU; CUDA in bf16/fp16), else the
+    masked SDPA call with a logged reason; `kernels.joint_attention_impl` decides, and
+    `kernels.set_joint_attention` overrides it (e.g. "flex"). See `bench attention` and `bench gpu`.
     """
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float64):
-        return _JointFlashCPU.apply(q, k_glob, v_glob, k_loc, v_loc)
+    dtype = kernels.attention_dtype(q, k_glob, v_glob, k_loc, v_loc)  # under autocast: one dtype for the kernel
+    q, k_glob, v_glob, k_loc, v_loc = (t.to(dtype) for t in (q, k_glob, v_glob, k_loc, v_loc))
+    impl = kernels.joint_attention_impl(q.device.type, q.device.index, dtype, q.size(-1))
+    if impl == "flash":
+        return joint_attention_flash(q, k_glob, v_glob, k_loc, v_loc)
+    if impl == "flex":
+        return kernels.joint_attention_flex(q, k_glob, v_glob, k_loc, v_loc)
     return joint_attention_masked(q, k_glob, v_glob, k_loc, v_loc)
 
 
@@ -360,9 +378,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(d, d, bias=False)
         # QKNorm: RMSNorm over the head dim with a learnable scale. (ours) Global keys get
         # their own scale, like their own projections, so the two sources can be weighed.
-        self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm and local_kv else nn.Identity()
-        self.k_glob_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm and global_kv else nn.Identity()
+        self.q_norm = RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm and local_kv else nn.Identity()
+        self.k_glob_norm = RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm and global_kv else nn.Identity()
 
     def heads(self, x):  # (B, N, d) -> (B, H, N, hd)
         b, n, _ = x.shape
@@ -403,9 +421,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, global_kv: bool = False, local_kv: bool = True):
         super().__init__()
         self.norm_on_output = cfg.backbone == "olmo2"
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg, global_kv, local_kv)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.moe_experts else SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x, rope, kv_glob=None, cache=None, start: int = 0):
@@ -431,12 +449,12 @@ class LoopedLM(nn.Module):
             glob = cfg.context == "global_kv"
             self.encoder = nn.ModuleList(Block(cfg) for _ in range(cfg.n_enc))
             if glob:  # (ours) one shared RMSNorm on the encoder output feeds every layer's Global KV
-                self.enc_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+                self.enc_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
             dec_cfg = cfg if cfg.dec_d_ff is None else replace(cfg, d_ff=cfg.dec_d_ff)  # Table 4a's wider decoder FFN
             self.decoder = nn.ModuleList(Block(dec_cfg, glob, cfg.local_kv) for _ in range(cfg.n_dec))
         else:
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied from embed
         self.init_weights()
 

@@ -1,0 +1,98 @@
+"""`python -m minimal_asymloop.bench gpu`: its logic runs on CPU at tiny size, so a short GPU session does not
+find its bugs. Only the CUDA-only lines (device properties, peak memory, fused AdamW, compiled flex) are left."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from minimal_asymloop import bench
+from minimal_asymloop.model import causal_attention, joint_attention_reference
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_bench_gpu_without_cuda_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "minimal_asymloop.bench", "gpu"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bench gpu needs a CUDA GPU" in lines[0], r.stderr
+
+
+@pytest.mark.slow
+def test_every_section_runs_on_cpu_without_datasets(tmp_path):
+    """All five sections at tiny size on CPU, with `datasets` made unimportable: the stdlib corpus + BPE path
+    must not need it. Checks the figures are there and sane, and the JSON written by --out."""
+    out = tmp_path / "gpu.json"
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["datasets"] = None  # any `import datasets` now raises ImportError
+        import torch
+        from minimal_asymloop import bench
+        report = bench.gpu_report(torch.device("cpu"), "tiny", None, {str(tmp_path / 'cache')!r}, {str(out)!r})
+        assert "datasets" not in [m.split(".")[0] for m, v in sys.modules.items() if v is not None]
+        sys.exit(1 if report["failed"] else 0)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failed"] == [] and report["scale"] == "tiny"
+    assert report["versions"]["torch"] == torch.__version__
+    calls = report["sdpa_backends"]["calls"]
+    assert report["sdpa_backends"]["joint_attention_impl"] == "flash"
+    assert all(c["backend"] == "flash (CPU)" for c in calls.values()), calls
+    impls = report["joint_attention"]["impls"]
+    assert set(impls) == {"flash", "flex", "masked"} and all(row["ok"] for row in impls.values()), impls
+    assert set(impls["flash"]["max_rel_err"]) == {"out", "dq", "dk_glob", "dv_glob", "dk_loc", "dv_loc"}
+    assert impls["flex"]["timed"] == "forward only"  # FlexAttention has no CPU backward
+    assert report["generation"]["ok"] and report["generation"]["argmax_agreement"] > 0.9
+    rows = report["training"]["rows"]
+    assert list(rows) == ["dense K=1", "full_loop K=2", "asymloop K=3"]
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["mfu"] is None and row["peak_mem_gib"] is None  # CPU: no MFU, no CUDA memory
+        assert 0 < row["last_loss"] < 10
+    assert rows["dense K=1"]["flop_normalized_vs_dense"] == 1.0
+    assert "[training]" in r.stdout and "tok/s" in r.stdout
+
+
+def test_a_failing_section_is_reported_and_the_rest_still_run(tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access\nwas encountered")
+
+    for name in ("gpu_sdpa_backends", "gpu_joint_attention", "gpu_training"):
+        monkeypatch.setattr(bench, name, lambda *a, **k: {})
+    monkeypatch.setattr(bench, "gpu_generation", broken)
+    monkeypatch.setattr(bench, "_say_section", lambda *a: None)
+    printed = []
+    report = bench.gpu_report(torch.device("cpu"), "tiny", None, str(tmp_path), tmp_path / "r.json", say=printed.append)
+    assert report["failed"] == ["generation"]
+    assert report["generation"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert "versions" in report and "training" in report
+    assert json.loads((tmp_path / "r.json").read_text())["failed"] == ["generation"]
+    assert "  FAILED: RuntimeError: CUDA error: an illegal memory access was encountered" in printed
+
+
+def test_sdpa_backend_names_the_kernel():
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    fused = bench.sdpa_backend(causal_attention, q, k, v)
+    assert fused["backend"] == "flash (CPU)"
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in fused["ops"]
+    assert bench.sdpa_backend(joint_attention_reference, q, k, v, k, v)["backend"] == "math (unfused)"
+
+
+def test_training_summary_states_the_targets():
+    row = dict(tokens_per_s=410_000, mfu=0.41)
+    said = []
+    bench._say_section("training", dict(rows={"asymloop K=3": row}, targets=dict(asymloop_tokens_per_s=400_000, asymloop_mfu=0.40),
+                                        seconds=1.0), said.append)
+    assert "met" in said[0] and "NOT" not in said[0]
+    row["mfu"] = 0.3
+    said.clear()
+    bench._say_section("training", dict(rows={"asymloop K=3": row}, targets=dict(asymloop_tokens_per_s=400_000, asymloop_mfu=0.40),
+                                        seconds=1.0), said.append)
+    assert "NOT met" in said[0]
