@@ -23,21 +23,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minimal_asymloop import kernels
+from minimal_asymloop.flops import flops_per_token
+from minimal_asymloop.generate import KVCache, kv_cache_bytes
 from minimal_asymloop.model import (
     PAPER_MOE,
-    KVCache,
     LoopedLM,
     ModelConfig,
     MoE,
     SwiGLU,
     attention_after_prefix,
     causal_attention,
-    flops_per_token,
     joint_attention,
     joint_attention_flash,
     joint_attention_masked,
     joint_attention_reference,
-    kv_cache_bytes,
 )
 
 
@@ -154,7 +153,7 @@ def bench_alrs(args):
     import warnings
 
     from minimal_asymloop import alrs
-    from minimal_asymloop.model import count_params
+    from minimal_asymloop.flops import count_params
 
     if args.threads:
         torch.set_num_threads(args.threads)

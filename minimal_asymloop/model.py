@@ -1,8 +1,9 @@
-"""Asymmetric Looped Transformers (AsymLoop), in one readable file.
+"""Asymmetric Looped Transformers (AsymLoop): the model.
 
 Reads like Section 3 of the paper: config, backbone pieces (RMSNorm, RoPE,
 SwiGLU, attention), joint attention, encoder + Global KV, the looped decoder,
 and the three architectures (dense, full_loop, asymloop) in `LoopedLM`.
+KV-cached generation lives in generate.py, parameter and FLOP counts (Appendix D) in flops.py.
 Spec: the paper (Section 3 for the model). Choices the paper leaves open are marked "(ours)".
 """
 
@@ -13,7 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minimal_asymloop import generate as generation
 from minimal_asymloop import kernels
+from minimal_asymloop.flops import count_params, flops_per_token, matched_dec_d_ff, sizes_table  # noqa: F401 (re-exported)
 
 ARCHS = ("dense", "full_loop", "asymloop")
 CONTEXTS = ("global_kv", "additive", "none")
@@ -570,177 +573,13 @@ class LoopedLM(nn.Module):
                 out[f"moe_load_entropy/{name.removesuffix('.mlp')}"] = torch.special.entr(share).sum().item()
         return out
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  n_iter: int | None = None, use_cache: bool = True, stop_id: int | None = None):
-        """Append up to max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy.
-
-        With the cache, the prompt runs in one forward pass (prefill), then each step runs
-        only the newest token. n_iter may differ from the trained K (test-time depth).
-        stop_id: stop early once every row has generated this token (rows keep going until then).
-        """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-        if idx.dim() != 2 or idx.size(1) == 0:
-            raise ValueError(f"idx must be a (batch, length>=1) tensor of token ids, got shape {tuple(idx.shape)}")
-        window, prompt_len = self.config.max_seq_len, idx.size(1)
-        cache = KVCache() if use_cache else None
-        for _ in range(max_new_tokens):
-            if idx.size(1) > window:  # (ours) past max_seq_len the window slides, like nanoGPT; the
-                cache = None  # cached keys sit at the wrong RoPE positions, so recompute from here on
-            new = idx[:, -window:] if cache is None else idx[:, cache.pos:]  # cached: the prompt, then one token
-            logits = self.logits(self.states(new, n_iter, cache)[-1][:, -1]).float()  # (B, V)
-            if temperature == 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_id = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
-            idx = torch.cat([idx, next_id], dim=1)
-            if stop_id is not None and (idx[:, prompt_len:] == stop_id).any(dim=1).all():
-                break
-        return idx
+        """Append up to max_new_tokens sampled tokens to idx (B, T), KV-cached (see minimal_asymloop.generate)."""
+        return generation.generate(self, idx, max_new_tokens, temperature, top_k, n_iter, use_cache, stop_id)
 
 
-# ----------------------------------------------------------------------------- KV cache
+if __name__ == "__main__":  # parameters and FLOPs of the paper's sizes, computed in flops.py
+    from minimal_asymloop.flops import main
 
-
-class LayerKV:
-    """One attention layer's keys and values for the tokens so far, each (B, H, T, hd)."""
-
-    def __init__(self):
-        self.k = self.v = None
-
-    def append(self, k, v):
-        if self.k is not None:
-            k, v = torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
-        self.k, self.v = k, v
-        return k, v
-
-
-class KVCache:
-    """Everything generation keeps between steps, one LayerKV per attention call per token:
-    dense / full loop: ("block", k, l), so K·L for full loop; asymloop: ("enc", l) for the
-    encoder, ("global", l) per decoder layer shared by all iterations, and ("local", k, l)
-    per iteration (E + D + K·D; layers without Local KV leave theirs empty)."""
-
-    def __init__(self):
-        self.pos = 0  # tokens cached so far = position of the next one
-        self.n_iter = None  # the depth K it was filled at
-        self.layers: dict[tuple, LayerKV] = {}
-
-    def advance(self, n: int, n_iter: int):
-        if self.pos and n_iter != self.n_iter:  # iterations it never ran have no Local KV for earlier tokens
-            raise ValueError(f"this KVCache was filled at n_iter={self.n_iter}, not {n_iter}; keep the depth or start a new KVCache")
-        self.pos, self.n_iter = self.pos + n, n_iter
-
-    def layer(self, *key) -> LayerKV:
-        if key not in self.layers:
-            self.layers[key] = LayerKV()
-        return self.layers[key]
-
-    def nbytes(self) -> int:
-        return sum(t.nbytes for c in self.layers.values() if c.k is not None for t in (c.k, c.v))
-
-
-# ----------------------------------------------------------------------------- counting
-
-
-def count_params(cfg: ModelConfig) -> int:
-    """Exact parameter count, from a model built on the meta device (no memory used)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in LoopedLM(cfg).parameters())
-
-
-def matched_dec_d_ff(cfg: ModelConfig) -> int:
-    """Table 4a: the decoder FFN width at which AsymLoop *without* Global KV has AsymLoop's parameter count.
-    Each decoder layer's Global KV projections (2·d², plus their QKNorm scale) become 3·d·Δ wider-FFN weights."""
-    with_gkv, without = replace(cfg, context="global_kv", dec_d_ff=None), replace(cfg, context="none", dec_d_ff=None)
-    return cfg.d_ff + round((count_params(with_gkv) - count_params(without)) / (3 * cfg.d_model * cfg.n_dec))
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
-    """Forward FLOPs per token, the paper's Appendix D convention (the paper's Appendix D).
-
-    Each executed block 8d² + 6·d·d_ff + 4·N·d (full N×N scores), with MoE 6·d·d_ff becomes
-    top_k·6·d·moe_d_ff + 2·d·moe_experts (active experts + router); head 2·d·V; AsymLoop adds
-    4d² per decoder layer for the Global KV projections (once) and 4·N·d per decoder layer
-    per iteration for global attention. Training is about 3x this.
-    """
-    n, d, dff = seq_len or cfg.max_seq_len, cfg.d_model, cfg.d_ff
-    ffn = 6 * d * dff
-    if cfg.moe_experts:  # active experts only: top_k SwiGLUs of width moe_d_ff, plus the d x E router
-        ffn = cfg.moe_top_k * 6 * d * cfg.moe_d_ff + 2 * d * cfg.moe_experts
-    block = 8 * d * d + ffn + 4 * n * d
-    glob_proj = glob_attn = 0
-    if cfg.arch == "asymloop":
-        dec_block = block + 6 * d * (cfg.dec_d_ff - dff) if cfg.dec_d_ff else block
-        # without Local KV the decoder computes no K_loc, V_loc and no local scores
-        dec_block = dec_block if cfg.local_kv else dec_block - 4 * d * d - 4 * n * d
-        blocks = cfg.n_enc * block + cfg.n_iter * cfg.n_dec * dec_block
-        if cfg.context == "global_kv":
-            glob_proj = 4 * d * d * cfg.n_dec
-            glob_attn = 4 * n * d * cfg.n_dec * cfg.n_iter
-    else:
-        blocks = cfg.effective_depth * block
-    head = 2 * d * cfg.vocab_size
-    total = blocks + head + glob_proj + glob_attn
-    return dict(total=total, blocks=blocks, head=head, global_kv_proj=glob_proj, global_attn=glob_attn)
-
-
-def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype=torch.bfloat16, n_iter: int | None = None) -> int:
-    """Bytes of the KV cache for batch sequences of seq_len tokens: K and V, (B, T, d) each,
-    per cached attention call (see KVCache). AsymLoop caches E + D·[Global KV] + K·D·[Local KV]."""
-    k = n_iter or cfg.n_iter
-    if cfg.arch == "asymloop":
-        n_caches = cfg.n_enc + cfg.n_dec * (cfg.context == "global_kv") + k * cfg.n_dec * cfg.local_kv
-    else:
-        n_caches = cfg.n_layer * (k if cfg.arch == "full_loop" else 1)
-    return n_caches * 2 * batch * seq_len * cfg.d_model * torch.empty((), dtype=dtype).element_size()
-
-
-def sizes_table(seq_len: int = 1024) -> str:
-    """Markdown table of parameters and forward FLOPs/token for the paper's sizes."""
-    rows = ["| size | arch | K | eff. depth | params | fwd GFLOPs/token | Global KV share |",
-            "|---|---|---|---|---|---|---|"]
-    for size in ("60m", "135m", "350m", "1b", "olmo8"):
-        for arch in ARCHS:
-            cfg = ModelConfig.from_preset(size, arch)
-            f = flops_per_token(cfg, seq_len)
-            share = (f["global_kv_proj"] + f["global_attn"]) / f["total"]
-            rows.append(f"| {size} | {arch} | {cfg.n_iter} | {cfg.effective_depth} | {count_params(cfg) / 1e6:.1f}M "
-                        f"| {f['total'] / 1e9:.3f} | {share:.1%} |")
-    return "\n".join(rows)
-
-
-def ablation_configs(size: str) -> dict[str, ModelConfig]:
-    """The paper's parameter/FLOP-matched baselines at one size, beside AsymLoop K=3 and Full Loop K=2."""
-    asym = ModelConfig.from_preset(size)
-    return {"asymloop K=3": asym,
-            "full_loop K=2": ModelConfig.from_preset(size, "full_loop"),
-            f"full_loop K=2, FFN {WIDE_FULL_LOOP_D_FF} (App. E)": ModelConfig.from_preset(size, "full_loop", d_ff=WIDE_FULL_LOOP_D_FF),
-            f"asymloop K=3 without Global KV, decoder FFN {matched_dec_d_ff(asym)} (Table 4a)":
-                ModelConfig.from_preset(size, context="none", dec_d_ff=matched_dec_d_ff(asym))}
-
-
-def ablations_table(seq_len: int = 1024) -> str:
-    """Markdown table: parameters and training FLOPs of the matched baselines, relative to AsymLoop K=3."""
-    rows = ["| size | model | params | vs AsymLoop | fwd GFLOPs/token | vs AsymLoop |", "|---|---|---|---|---|---|"]
-    for size in ("60m", "135m"):
-        cfgs = ablation_configs(size)
-        p0, f0 = count_params(cfgs["asymloop K=3"]), flops_per_token(cfgs["asymloop K=3"], seq_len)["total"]
-        for name, cfg in cfgs.items():
-            p, f = count_params(cfg), flops_per_token(cfg, seq_len)["total"]
-            rows.append(f"| {size} | {name} | {p / 1e6:.2f}M | {p / p0 - 1:+.2%} | {f / 1e9:.3f} | {f / f0 - 1:+.1%} |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(f"Parameters and forward FLOPs per token at seq_len=1024 (the paper's Appendix D):\n\n{sizes_table()}")
-    print(f"\nMatched baselines (the paper's Table 4a and Appendix E; training FLOPs = 3 x forward):\n\n{ablations_table()}")
+    main()

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from minimal_asymloop.model import KVCache, LoopedLM, ModelConfig, kv_cache_bytes
+from minimal_asymloop.generate import KVCache, kv_cache_bytes
+from minimal_asymloop.model import LoopedLM, ModelConfig
 
 V = 97
 
