@@ -237,7 +237,8 @@ def time_train_step(cfg, batch, seq, device, dtype, args) -> float:
 
 def bench_train(args):
     """Timed optimizer steps (forward, backward, AdamW) of the three architectures at one size, side by side."""
-    from minimal_asymloop.trainer import TRAIN_PRESETS, gpu_peak_flops
+    from minimal_asymloop.system import gpu_peak_flops
+    from minimal_asymloop.trainer import TRAIN_PRESETS
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -429,7 +430,8 @@ def _bench_tokens(cache_dir, n_tokens: int, bpe_vocab: int):
 
 def gpu_train_row(cfg, x, device, dtype, compile_backend, min_time, max_steps) -> dict:
     """One architecture's optimizer steps (forward, backward, fused AdamW on CUDA) on the batch x (B, N+1)."""
-    from minimal_asymloop.trainer import gpu_peak_flops, param_groups
+    from minimal_asymloop.system import gpu_peak_flops
+    from minimal_asymloop.trainer import param_groups
 
     torch.manual_seed(0)
     model = LoopedLM(cfg).to(device)

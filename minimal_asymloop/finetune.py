@@ -31,7 +31,8 @@ from tqdm import tqdm
 
 from minimal_asymloop import checkpoint as ckpt
 from minimal_asymloop.data import DataError, eot_id
-from minimal_asymloop.trainer import TrainConfig, _autocast, log_metrics, lr_at, param_groups, resolve_device
+from minimal_asymloop.system import _autocast, resolve_device
+from minimal_asymloop.trainer import TrainConfig, log_metrics, lr_at, param_groups
 
 GSM8K, GSM8K_CONFIG = "openai/gsm8k", "main"
 PROMPT = "Question: {question}\nAnswer:"  # (ours) the paper uses no demonstrations and states no template

@@ -1,0 +1,146 @@
+"""System plumbing for training: errors, device and dtype, bf16 autocast, signals, GPU peak FLOP/s for MFU,
+the optional wandb import, the out-dir check, and the DDP lost-rank message. Not part of the method.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from minimal_asymloop.trainer import TrainConfig
+
+
+class ConfigError(ValueError):
+    """A training setting that cannot work; the message names the fix."""
+
+
+class DistributedError(RuntimeError):
+    """DDP: another rank died or hung (a collective failed or passed ddp_timeout_s); the message says what to do."""
+
+
+def _lost_ranks(e: RuntimeError, rank: int, step: int, cfg: TrainConfig) -> DistributedError | None:
+    """A one-line DistributedError for a failed collective (gloo/NCCL), or None for any other RuntimeError."""
+    text = " ".join(str(e).split())
+    comm = ("gloo", "NCCL", "Timed out", "Connection reset", "Connection closed")
+    if not (isinstance(e, dist.DistError) or any(k in text for k in comm)):
+        return None
+    why = next((k.lower() for k in ("Timed out", "Connection reset by peer", "Connection closed by peer") if k in text), text[:120])
+    return DistributedError(f"rank {rank} lost contact with the other ranks at step {step} ({why}): one of them died or hung, see its "
+                            f"log; the last checkpoint is {Path(cfg.out_dir) / 'latest'}, continue with --resume "
+                            f"(--ddp-timeout-s, now {cfg.ddp_timeout_s}, bounds the wait)")
+
+
+# Peak dense bf16 tensor FLOP/s per GPU (not the "with sparsity" figure, which is twice this), keyed by the exact name
+# torch.cuda.get_device_name reports: PCIe and NVL cards are slower than SXM ones of the same chip. Sources:
+PEAK_BF16_FLOPS = {
+    # NVIDIA H100 Tensor Core GPU datasheet: SXM 1,979 / PCIe 1,513 / NVL 1,671 TFLOPS with sparsity
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    # NVIDIA H200 Tensor Core GPU datasheet: SXM 1,979 / NVL 1,671 TFLOPS with sparsity
+    "NVIDIA H200": 989e12,  # H200 SXM
+    "NVIDIA H200 NVL": 835e12,
+    # NVIDIA GH200 Grace Hopper Superchip datasheet: 1,979 TFLOPS with sparsity
+    "NVIDIA GH200 480GB": 989e12,
+    # NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOPS dense for SXM and PCIe, 40 and 80 GB
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    # NVIDIA L40S datasheet: 362.05 TFLOPS dense (733 with sparsity); L40 datasheet: 181.05; L4 datasheet: 121
+    "NVIDIA L40S": 362.05e12,
+    "NVIDIA L40": 181.05e12,
+    "NVIDIA L4": 121e12,
+    # NVIDIA A10 datasheet: 125 TFLOPS dense (250 with sparsity)
+    "NVIDIA A10": 125e12,
+    # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090) and Ampere GA102 whitepaper (RTX A6000, RTX 3090):
+    # "peak BF16 Tensor TFLOPS with FP32 accumulate", which is what a bf16 matmul in PyTorch uses
+    "NVIDIA GeForce RTX 4090": 165.2e12,
+    "NVIDIA RTX A6000": 154.8e12,
+    "NVIDIA GeForce RTX 3090": 71e12,
+}
+
+
+def gpu_peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of `device` by its exact product name (PEAK_BF16_FLOPS), None for CPU or an unlisted GPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    return PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device).strip())
+
+
+def _peak_flops_or_say_why(device: torch.device, say) -> float | None:
+    peak = gpu_peak_flops(device)
+    if peak is None and device.type == "cuda":
+        say(f"MFU not logged: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name(device)!r} "
+            f"(add its datasheet's dense figure to PEAK_BF16_FLOPS in minimal_asymloop/system.py)")
+    return peak
+
+
+def _wandb_module(cfg: TrainConfig):
+    """The wandb package when --wandb is on, else None; a one-line error when it is not installed."""
+    if not cfg.wandb:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError('--wandb needs the wandb package, an optional extra: pip install -e ".[wandb]"') from None
+    return wandb
+
+
+def _autocast(device, dtype):
+    device = torch.device(device)
+    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
+
+
+def resolve_device(cfg: TrainConfig, local_rank: int) -> tuple[torch.device, torch.dtype]:
+    name = cfg.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {cfg.device!r} asked for but CUDA is not available; use --device cpu")
+        name = f"cuda:{local_rank}" if name == "cuda" else name
+    device = torch.device(name)
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    return device, getattr(torch, dtype)
+
+
+@contextmanager
+def stop_on_signals(flag: dict):
+    """SIGINT/SIGTERM set flag['signal']; the loop then checkpoints and returns. A second Ctrl-C aborts."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if flag.get("signal") and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        flag["signal"] = signal.Signals(signum).name
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def check_out_dir(out_dir: Path):
+    """Fail now, not at the first checkpoint hours later, if out_dir cannot be created or written."""
+    probe = out_dir / f".write-test-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write to --out-dir {out_dir} ({e.strerror or e}); choose a writable --out-dir") from None
