@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from minimal_asymloop import alrs
 from minimal_asymloop import checkpoint as ckpt
-from minimal_asymloop.data import SHARD_TOKENS, BatchSampler, Tokens, eval_windows, prepare
+from minimal_asymloop.data import SHARD_TOKENS, BatchSampler, Tokens, eval_windows, fineweb_for_budget, prepare
 from minimal_asymloop.model import LoopedLM, ModelConfig, count_params, flops_per_token
 
 
@@ -63,6 +63,7 @@ class TrainConfig:
     data_cache: str = "data_cache"
     max_data_tokens: int | None = None  # cap on train tokens read from the source; None: all (fineweb-edu: the budget)
     val_fraction: float | None = None  # None -> 5% of documents (0.5% for fineweb-edu), by hash
+    data_workers: int | None = None  # tokenizer processes for data preparation; None -> CPU cores - 1 (the tokens never depend on it)
     # batch and budget
     seq_len: int = 1024
     global_batch: int = 512  # sequences per optimizer step, summed over ranks
@@ -104,7 +105,7 @@ class TrainConfig:
         for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "ddp_timeout_s"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("micro_batch", "tokens", "max_steps", "stop_step", "bpe_vocab", "max_data_tokens"):
+        for name in ("micro_batch", "tokens", "max_steps", "stop_step", "bpe_vocab", "max_data_tokens", "data_workers"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
@@ -149,7 +150,7 @@ TRAIN_PRESETS = {
 }
 # settings that may change on --resume without changing the result (or only its speed)
 RESUME_MAY_CHANGE = {"out_dir", "device", "compile", "stop_step", "quiet", "resume", "eval_interval", "eval_batches",
-                     "micro_batch", "ddp_timeout_s", "data_cache", "skip_nonfinite"}
+                     "micro_batch", "ddp_timeout_s", "data_cache", "skip_nonfinite", "data_workers"}
 NAN_ENV = "MINIMAL_ASYMLOOP_NAN_STEPS"  # test hook: comma-separated steps (1-based) whose loss is made NaN
 
 
@@ -342,21 +343,33 @@ def stop_on_signals(flag: dict):
 
 
 def _data_for(model_cfg: ModelConfig, cfg: TrainConfig, local_rank: int, quiet: bool):
-    """Prepare the data on local rank 0 (before any collective: it can outlast a timeout); other ranks wait for it."""
+    """Prepare the data on local rank 0 (before any collective: it can outlast a timeout); other ranks wait for it.
+    Says once, at the start, which FineWeb-Edu sample a large budget needs and how many epochs a budget repeats the data."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     budget = cfg.total_steps() * cfg.global_batch * cfg.seq_len
-    max_tokens = cfg.max_data_tokens
-    if max_tokens is None and cfg.data.startswith("fineweb-edu"):
+    source, max_tokens = cfg.data, cfg.max_data_tokens
+    if max_tokens is None and source.startswith("fineweb-edu"):
+        source, note = fineweb_for_budget(source, budget)
+        if note:
+            say(note)
         # a streamed source is read up to the budget, rounded up to whole shards so short runs share a cache (ours)
         max_tokens = math.ceil(budget / SHARD_TOKENS) * SHARD_TOKENS
-    kw = dict(source=cfg.data, tokenizer=cfg.tokenizer, bpe_vocab=cfg.bpe_vocab or model_cfg.vocab_size, cache_dir=cfg.data_cache,
-              max_tokens=max_tokens, val_fraction=cfg.val_fraction)
+    kw = dict(source=source, tokenizer=cfg.tokenizer, bpe_vocab=cfg.bpe_vocab or model_cfg.vocab_size, cache_dir=cfg.data_cache,
+              max_tokens=max_tokens, val_fraction=cfg.val_fraction, workers=cfg.data_workers)
     if local_rank == 0:
-        return prepare(**kw, quiet=quiet)
-    while True:  # torchrun stops this rank if rank 0 fails
-        try:
-            return prepare(**kw, quiet=True, build=False)
-        except FileNotFoundError:
-            time.sleep(2)
+        data = prepare(**kw, quiet=quiet)
+    else:
+        while True:  # torchrun stops this rank if rank 0 fails
+            try:
+                data = prepare(**kw, quiet=True, build=False)
+                break
+            except FileNotFoundError:
+                time.sleep(2)
+    windows, needed = (len(data.train) - 1) // cfg.seq_len, cfg.total_steps() * cfg.global_batch
+    if needed > windows:
+        say(f"note: data repeats: the budget of {needed:,} sequences is {needed / windows:.2f} epochs of the train split's {windows:,} "
+            f"({len(data.train):,} tokens of {source}), reshuffled each epoch")
+    return data
 
 
 def check_out_dir(out_dir: Path):
