@@ -44,7 +44,8 @@ FINEWEB_CONFIG = "sample-10BT"
 FINEWEB_SAMPLES = {"sample-10BT": 10e9, "sample-100BT": 100e9, "sample-350BT": 350e9}  # GPT-2 tokens, per the dataset card
 T5_REPO = "google-t5/t5-base"
 EOT = "<|endoftext|>"  # BPE's document separator (id 0); T5 uses its own "</s>"
-SHARD_TOKENS = 100_000_000  # llm.c-sized shards (ours)
+SHARD_TOKENS = 100_000_000  # llm.c-sized shards (ours); a shard is also the unit that an interrupted preparation resumes at
+BATCH_DOCS, BATCH_CHARS = 256, 2_000_000  # one tokenizer task (ours); they fix where a capped preparation stops: keep them
 OFFLINE_ALTERNATIVES = "use --data stdlib (works offline) or --data PATH for local .txt/.jsonl/.parquet files"
 
 
@@ -425,13 +426,13 @@ def _get_tokenizer(work: Path, source, ident, tok_ident, val_fraction, max_token
 
 
 def document_batches(docs, where, max_tokens):
-    """Group documents into batches of <= 256 documents / 2M characters (fewer when capped, to stop near the cap).
-    Yields (batch, position after it). The grouping fixes where a capped preparation stops, so it never changes."""
-    batch, chars, max_chars = [], 0, min(2_000_000, max_tokens or 2_000_000)
+    """Group documents into batches of BATCH_DOCS documents or BATCH_CHARS characters (fewer when capped, to stop
+    near the cap). Yields (batch, position after it)."""
+    batch, chars, max_chars = [], 0, min(BATCH_CHARS, max_tokens or BATCH_CHARS)
     for key, text in docs:
         batch.append((key, text))
         chars += len(text)
-        if len(batch) >= 256 or chars >= max_chars:
+        if len(batch) >= BATCH_DOCS or chars >= max_chars:
             yield batch, where()
             batch, chars = [], 0
     if batch:
@@ -537,7 +538,7 @@ def _write_shards(work: Path, source, ident, tok, eot, dtype, val_fraction, max_
 
     def commit(pos, finished):
         for split, arrays in buf.items():
-            if arrays:  # an empty file could not be memory-mapped
+            if sum(map(len, arrays)):  # an empty file could not be memory-mapped
                 name = f"{split}_{progress['shards']:06d}.bin"
                 a = np.concatenate(arrays)
                 with open(work / name, "wb") as f:
@@ -546,7 +547,7 @@ def _write_shards(work: Path, source, ident, tok, eot, dtype, val_fraction, max_
                     os.fsync(f.fileno())  # on disk before progress.json says it is
                 progress[f"{split}_files"].append(name)
                 progress["files"][name] = len(a)
-                arrays.clear()
+            arrays.clear()
         progress.update(shards=progress["shards"] + 1, position=pos, finished=finished, seconds=progress["seconds"] + time.time() - t0)
         _write_json(work / "progress.json", progress)
 
