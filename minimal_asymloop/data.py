@@ -494,32 +494,22 @@ def encoded_batches(batches, tok: Tokenizer, eot: int, dtype, val_fraction: floa
 def _tokenize_into(work: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet, folder, workers):
     t0 = time.time()
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    progress = json.loads((work / "progress.json").read_text()) if (work / "progress.json").exists() else None
+    progress = _read_progress(work)
     if progress:
-        for f, n in progress["files"].items():  # a finished shard is never rewritten; check it survived intact
-            if (work / f).stat().st_size != n * np.dtype(progress["dtype"]).itemsize:
-                raise DataError(f"shard {work / f} of an interrupted preparation is truncated; delete {work} to start over")
         say(f"resuming the preparation of {source!r} in {work} after {len(progress['files'])} shard file(s), "
             f"{progress['n_train_tokens']:,} train tokens")
     else:
         say(f"preparing {source!r} with the {tok_ident['name']} tokenizer into {folder} (once; cached)")
     tok = _get_tokenizer(work, source, ident, tok_ident, val_fraction, max_tokens, say)
-    vocab = tok.get_vocab_size()
-    dtype = np.uint16 if vocab <= 2**16 else np.uint32
-    eot = eot_id(tok)
-    if not progress:
-        progress = dict(dtype=np.dtype(dtype).name, position=None, finished=False, shards=0, files={}, train_files=[], val_files=[],
-                        n_train_tokens=0, n_val_tokens=0, n_train_docs=0, n_val_docs=0, seconds=0.0)
-    if not progress["finished"]:
-        progress = _write_shards(work, source, ident, tok, eot, dtype, val_fraction, max_tokens, quiet, workers, progress, t0)
+    progress = write_shards(work, source, ident, tok, val_fraction, max_tokens, workers, quiet, seconds_before=time.time() - t0)
     n_docs = {s: progress[f"n_{s}_docs"] for s in ("train", "val")}
     if not n_docs["val"] or not n_docs["train"]:
         raise DataError(f"{source!r} gave {n_docs['train']} train and {n_docs['val']} val documents at val_fraction={val_fraction}; "
                         f"both splits need documents: add data or raise val_fraction")
-    val = Tokens([work / f for f in progress["val_files"]], dtype)
+    val = Tokens([work / f for f in progress["val_files"]], progress["dtype"])
     counts = np.bincount(val.window(0, len(val)))
-    meta = dict(format=DATA_FORMAT, source=source, identity=ident, tokenizer=tok_ident, vocab_size=vocab, eot_id=eot,
-                dtype=np.dtype(dtype).name, val_fraction=val_fraction, train_files=progress["train_files"],
+    meta = dict(format=DATA_FORMAT, source=source, identity=ident, tokenizer=tok_ident, vocab_size=tok.get_vocab_size(),
+                eot_id=eot_id(tok), dtype=progress["dtype"], val_fraction=val_fraction, train_files=progress["train_files"],
                 val_files=progress["val_files"], n_train_tokens=progress["n_train_tokens"], n_val_tokens=progress["n_val_tokens"],
                 n_train_docs=n_docs["train"], n_val_docs=n_docs["val"], unigram_entropy=entropy_nats(counts),
                 prepare_seconds=round(progress["seconds"], 1), workers=workers)
@@ -528,11 +518,31 @@ def _tokenize_into(work: Path, source, ident, tok_ident, val_fraction, max_token
         f"{n_docs['train']}+{n_docs['val']} documents in {meta['prepare_seconds']:.0f}s")
 
 
-def _write_shards(work: Path, source, ident, tok, eot, dtype, val_fraction, max_tokens, quiet, workers, progress, t0) -> dict:
-    """Stream, tokenize and append shards from progress["position"] on, committing progress.json after each shard:
-    a shard closes after the batch that brings its train tokens to SHARD_TOKENS, or at the cap or the source's end."""
+def _read_progress(work: Path) -> dict | None:
+    """The progress.json of an interrupted preparation, after checking that its finished shards survived intact."""
+    if not (work / "progress.json").exists():
+        return None
+    progress = json.loads((work / "progress.json").read_text())
+    for f, n in progress["files"].items():
+        if not (work / f).exists() or (work / f).stat().st_size != n * np.dtype(progress["dtype"]).itemsize:
+            raise DataError(f"shard {work / f} of an interrupted preparation is missing or truncated; delete {work} to start over")
+    return progress
+
+
+def write_shards(work: Path, source: str, ident: dict, tok: Tokenizer, val_fraction: float, max_tokens: int | None = None,
+                 workers: int = 1, quiet: bool = True, seconds_before: float = 0.0) -> dict:
+    """Stream, tokenize and append shards to `work` (from where its progress.json stops), committing progress.json after
+    each shard; returns the progress. A shard closes after the batch that brings its train tokens to SHARD_TOKENS, or
+    at the cap or the source's end."""
+    t0 = time.time() - seconds_before
+    dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32
+    progress = _read_progress(work) or dict(dtype=np.dtype(dtype).name, position=None, finished=False, shards=0, files={},
+                                            train_files=[], val_files=[], n_train_tokens=0, n_val_tokens=0, n_train_docs=0,
+                                            n_val_docs=0, seconds=0.0)
+    if progress["finished"]:
+        return progress
     docs, where = document_stream(source, ident, progress["position"])
-    batches = encoded_batches(document_batches(docs, where, max_tokens), tok, eot, dtype, val_fraction, workers)
+    batches = encoded_batches(document_batches(docs, where, max_tokens), tok, eot_id(tok), dtype, val_fraction, workers)
     bar = tqdm(desc="  tokenizing", unit=" tok", unit_scale=True, disable=quiet, total=max_tokens, initial=progress["n_train_tokens"])
     buf, pos = {"train": [], "val": []}, progress["position"]
 
