@@ -367,8 +367,8 @@ def _data_for(model_cfg: ModelConfig, cfg: TrainConfig, local_rank: int, quiet: 
                 time.sleep(2)
     windows, needed = (len(data.train) - 1) // cfg.seq_len, cfg.total_steps() * cfg.global_batch
     if needed > windows:
-        say(f"note: data repeats: the budget of {needed:,} sequences is {needed / windows:.2f} epochs of the train split's {windows:,} "
-            f"({len(data.train):,} tokens of {source}), reshuffled each epoch")
+        say(f"note: data repeats: {needed / windows:.2f} epochs (the budget is {needed:,} sequences of {cfg.seq_len} tokens; the train "
+            f"split of {source} holds {windows:,}, {len(data.train):,} tokens), reshuffled each epoch")
     return data
 
 

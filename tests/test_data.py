@@ -274,4 +274,5 @@ def test_repeated_data_prints_its_epochs_once(tiny_configs, capsys):
     data = _data_for(mcfg, cfg, 0, quiet=False)
     windows = (len(data.train) - 1) // 32
     out = capsys.readouterr().out
-    assert out.count("note: data repeats") == 1 and f"{8000 / windows:.2f} epochs of the train split's {windows:,}" in out
+    assert out.count("note: data repeats") == 1 and f"repeats: {8000 / windows:.2f} epochs (the budget is 8,000 sequences" in out
+    assert f"holds {windows:,}, {len(data.train):,} tokens" in out
