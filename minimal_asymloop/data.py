@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import sysconfig
+import threading
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -380,7 +381,7 @@ def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, qui
         try:
             import fcntl
 
-            fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another process builds this entry
+            fcntl.lockf(lock, fcntl.LOCK_EX)  # waits while another process builds this entry; not inherited by forked workers
         except ImportError:  # Windows: no lock; one builder at a time is then up to the user
             pass
         if (folder / "meta.json").exists():
@@ -450,9 +451,17 @@ def encode_batch(tok: Tokenizer, eot: int, dtype, val_fraction: float, batch) ->
 _worker = {}  # a tokenizer process's tokenizer and settings, set once by _init_worker
 
 
-def _init_worker(tok_json: str, eot: int, dtype, val_fraction: float):
+def _init_worker(tok_json: str, eot: int, dtype, val_fraction: float, parent: int):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process: the processes are the parallelism
     _worker.update(tok=Tokenizer.from_str(tok_json), eot=eot, dtype=dtype, val_fraction=val_fraction)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+
+
+def _exit_with_parent(parent: int):
+    """A killed (SIGKILL) parent cannot stop its pool: the workers stop themselves, as torch's DataLoader workers do."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
 
 
 def _encode_in_worker(batch):
@@ -468,7 +477,8 @@ def encoded_batches(batches, tok: Tokenizer, eot: int, dtype, val_fraction: floa
         return
     # fork on Linux, like torch's DataLoader: spawn would re-run a user's script that lacks an `if __name__ == "__main__"` guard
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(tok.to_str(), eot, dtype, val_fraction))
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(tok.to_str(), eot, dtype, val_fraction, os.getpid()))
     pending, saved = deque(), os.environ.get("TOKENIZERS_PARALLELISM")
     try:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited: tokenizers' Rust threads stay off in the workers, no warning

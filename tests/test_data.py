@@ -222,19 +222,36 @@ def write_then_die(path, obj):
     os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no exception handler: like a killed job
 D._write_json = write_then_die
 vocab, max_tokens, val_fraction = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-D.prepare("stdlib", "bpe", vocab, sys.argv[1], max_tokens=max_tokens, val_fraction=val_fraction, quiet=True, workers=1)
+D.prepare("stdlib", "bpe", vocab, sys.argv[1], max_tokens=max_tokens, val_fraction=val_fraction, quiet=True, workers=2)
 """
 
 
+def processes_with_arg(arg):
+    """Pids of live processes with `arg` on their command line (forked pool workers share their parent's)."""
+    pids = []
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            if arg.encode() in (p / "cmdline").read_bytes().split(b"\0"):
+                pids.append(int(p.name))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_killed_preparation_resumes_with_the_same_tokens(tmp_path, stdlib_data):
     m = stdlib_data.meta  # the session's slice of the stdlib corpus, prepared without interruption
     settings = (m["tokenizer"]["vocab"], m["identity"]["max_tokens"], m["val_fraction"])
     r = subprocess.run([sys.executable, "-c", KILL_AFTER_FIRST_SHARD, str(tmp_path), *map(str, settings)], capture_output=True,
                        env={**os.environ, "PYTHONPATH": str(Path(D.__file__).parents[1])}, text=True, timeout=120)
     assert r.returncode == -9, r.stderr
+    deadline = time.time() + 10
+    while processes_with_arg(str(tmp_path)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not processes_with_arg(str(tmp_path))  # the killed run's tokenizer processes stopped themselves
     work = tmp_path / f".partial-{stdlib_data.path.name}"
     assert len(D.json.loads((work / "progress.json").read_text())["train_files"]) == 1
-    d = D.prepare("stdlib", "bpe", settings[0], str(tmp_path), max_tokens=settings[1], val_fraction=settings[2], quiet=True, workers=2)
+    d = D.prepare("stdlib", "bpe", settings[0], str(tmp_path), max_tokens=settings[1], val_fraction=settings[2], quiet=True, workers=1)
     assert d.path.name == stdlib_data.path.name and len(d.meta["train_files"]) > 1 and tokens_of(d) == tokens_of(stdlib_data)
 
 
