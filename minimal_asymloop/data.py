@@ -384,16 +384,14 @@ def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, qui
             fcntl.lockf(lock, fcntl.LOCK_EX)  # waits while another process builds this entry; not inherited by forked workers
         except ImportError:  # Windows: no lock; one builder at a time is then up to the user
             pass
-        if (folder / "meta.json").exists():
+        if (folder / "meta.json").exists():  # another process built it while we waited
             return
         _tokenize_into(work, source, ident, tok_ident, val_fraction, max_tokens, quiet, folder, workers)
-        (work / "progress.json").unlink()
-        (work / "lock").unlink()  # POSIX: our open handle keeps the lock until the rename below is done
-        try:
-            os.replace(work, folder)
-        except OSError:  # a stale, unfinished folder of that name is in the way
-            shutil.rmtree(folder, ignore_errors=True)
-            os.replace(work, folder)
+        if folder.exists():  # a stale, unfinished folder of that name is in the way
+            shutil.rmtree(folder)
+        os.replace(work, folder)  # still locked: a waiting process then finds meta.json and returns
+        (folder / "progress.json").unlink()
+        (folder / "lock").unlink()
 
 
 def _write_json(path: Path, obj):
