@@ -327,7 +327,7 @@ def prepare(source: str = "stdlib", tokenizer: str = "bpe", bpe_vocab: int = 819
     max_tokens caps the train tokens read from streaming/local sources (None: everything).
     build=False raises FileNotFoundError instead of preparing (DDP ranks waiting for rank 0).
     val_fraction: share of documents held out, by hash; default 5% (ours; 0.5% for fineweb-edu).
-    workers: tokenizer processes (None: one per CPU core but one); the tokens never depend on it.
+    workers: tokenizer processes (None: default_workers()); the tokens never depend on it.
     An interrupted preparation resumes at its last finished shard on the next call.
     """
     if tokenizer not in ("bpe", "t5"):
@@ -346,9 +346,10 @@ def prepare(source: str = "stdlib", tokenizer: str = "bpe", bpe_vocab: int = 819
 
 
 def default_workers() -> int:
-    """One tokenizer process per CPU core, leaving one core to stream documents and write shards (ours)."""
+    """One tokenizer process per CPU core, leaving one core to stream documents and write shards, and at most 32:
+    one process feeds them all (ours; not measured on a many-core host)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores - 1)
+    return max(1, min(cores - 1, 32))
 
 
 def load_prepared(folder) -> Prepared:
@@ -644,7 +645,7 @@ def main(argv=None):
     p.add_argument("--bpe-vocab", type=int, default=8192)
     p.add_argument("--data-cache", default="data_cache")
     p.add_argument("--max-tokens", type=lambda s: int(float(s)), default=None)
-    p.add_argument("--data-workers", type=int, default=None, help="tokenizer processes (default: CPU cores - 1)")
+    p.add_argument("--data-workers", type=int, default=None, help="tokenizer processes (default: CPU cores - 1, at most 32)")
     args = p.parse_args(argv)
     try:
         d = prepare(args.data, args.tokenizer, args.bpe_vocab, args.data_cache, args.max_tokens, workers=args.data_workers)

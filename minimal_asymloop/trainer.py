@@ -63,7 +63,7 @@ class TrainConfig:
     data_cache: str = "data_cache"
     max_data_tokens: int | None = None  # cap on train tokens read from the source; None: all (fineweb-edu: the budget)
     val_fraction: float | None = None  # None -> 5% of documents (0.5% for fineweb-edu), by hash
-    data_workers: int | None = None  # tokenizer processes for data preparation; None -> CPU cores - 1 (the tokens never depend on it)
+    data_workers: int | None = None  # tokenizer processes preparing data; None -> CPU cores - 1, at most 32 (same tokens for any)
     # batch and budget
     seq_len: int = 1024
     global_batch: int = 512  # sequences per optimizer step, summed over ranks

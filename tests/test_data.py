@@ -293,3 +293,9 @@ def test_repeated_data_prints_its_epochs_once(tiny_configs, capsys):
     out = capsys.readouterr().out
     assert out.count("note: data repeats") == 1 and f"repeats: {8000 / windows:.2f} epochs (the budget is 8,000 sequences" in out
     assert f"holds {windows:,}, {len(data.train):,} tokens" in out
+
+
+def test_default_workers_leave_a_core_to_the_stream(monkeypatch):
+    for cores, workers in ((1, 1), (2, 1), (16, 15), (128, 32)):
+        monkeypatch.setattr(D.os, "sched_getaffinity", lambda _, n=cores: set(range(n)), raising=False)
+        assert D.default_workers() == workers
