@@ -6,6 +6,7 @@
     python -m minimal_asymloop.bench alrs        # one ALRS allocation vs 100 training steps
     python -m minimal_asymloop.bench train --size tiny   # training step: dense vs full_loop K=2 vs asymloop K=3
     python -m minimal_asymloop.bench gpu --out gpu.json  # a fresh GPU's self-check, <= 8 minutes on one H100
+    python -m minimal_asymloop.bench data        # data preparation MB/s and tokens/s with 1 and 2 tokenizer workers
 """
 
 import argparse
@@ -573,6 +574,48 @@ def bench_gpu(args):
     print(f"done in {report['total_seconds']:.0f}s" + (f"; results in {args.out}" if args.out else ""))
     if report["failed"]:
         raise SystemExit(f"bench gpu: these sections failed: {', '.join(report['failed'])} (see above)")
+def bench_data(args):
+    """Preparation throughput (tokenize + write shards; the tokenizer is trained once, outside the timing) on a local
+    parquet file of FineWeb-Edu's schema whose texts are the stdlib corpus, with each worker count."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from minimal_asymloop import data as D
+
+    _, files = D.stdlib_files()
+    texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files] * args.repeat
+    n, mb = len(texts), sum(len(t.encode()) for t in texts) / 1e6
+    table = pa.table({"text": texts, "id": [f"<urn:uuid:{i:08d}-bench>" for i in range(n)], "dump": ["CC-MAIN-2024-10"] * n,
+                      "url": [f"https://example.org/{i}" for i in range(n)], "file_path": ["s3://commoncrawl/x.warc.gz"] * n,
+                      "language": ["en"] * n, "language_score": [0.95] * n, "token_count": [len(t) // 4 for t in texts],
+                      "score": [3.0] * n, "int_score": [3] * n})
+    print(f"data preparation: {n} documents, {mb:.1f} MB of text (the stdlib corpus x{args.repeat}) in a FineWeb-Edu-schema parquet, "
+          f"BPE vocab {args.vocab}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
+    print(f"{'workers':>14} {'seconds':>9} {'MB/s':>7} {'tokens/s':>10} {'vs 1st':>7}  (best of {args.repeats})")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = str(Path(tmp) / "fineweb-edu-schema.parquet")
+        pq.write_table(table, source)
+        tok = D.train_bpe(texts[::max(1, n // 300)], args.vocab)
+        ident, first, streams = D.source_identity(source, None), None, set()
+        for w in args.workers:
+            best = float("inf")
+            for r in range(args.repeats):
+                work = Path(tmp) / f"w{w}-{r}"
+                work.mkdir()
+                t0 = time.perf_counter()
+                progress = D.write_shards(work, source, ident, tok, 0.005, workers=w)
+                best = min(best, time.perf_counter() - t0)
+            tokens = progress["n_train_tokens"] + progress["n_val_tokens"]
+            streams.add(b"".join((work / f).read_bytes() for f in progress["train_files"] + progress["val_files"]))
+            first = first or best
+            label = f"{w}" + (" (in-process)" if w == 1 else "")
+            print(f"{label:>14} {best:9.2f} {mb / best:7.2f} {tokens / best:10,.0f} {first / best:6.2f}x")
+    print(f"same tokens for every worker count: {len(streams) == 1}. Workers 1: one process, tokenizers' own threads per batch; "
+          f"N > 1: N tokenizer processes fed while the source streams")
 
 
 def main(argv=None):
@@ -617,9 +660,14 @@ def main(argv=None):
     gp.add_argument("--out", default=None, help="write the results as JSON to this path")
     gp.add_argument("--cache-dir", default="data_cache", help="where the stdlib BPE tokens are cached")
     gp.add_argument("--no-compile", action="store_true", help="time eager training steps instead of torch.compile")
+    d = sub.add_parser("data", help="data preparation MB/s and tokens/s with 1 and 2 tokenizer workers")
+    d.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    d.add_argument("--repeat", type=int, default=1, help="copies of the stdlib corpus in the parquet file")
+    d.add_argument("--repeats", type=int, default=2, help="timed runs per worker count (best is shown)")
+    d.add_argument("--vocab", type=int, default=8192)
     args = p.parse_args(argv)
     {"attention": bench_attention, "train": bench_train, "generate": bench_generate, "alrs": bench_alrs, "moe": bench_moe,
-     "gpu": bench_gpu}[args.what](args)
+     "gpu": bench_gpu, "data": bench_data}[args.what](args)
 
 
 if __name__ == "__main__":

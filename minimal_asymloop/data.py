@@ -11,7 +11,10 @@ with `tokenizers` on the train split of the source, cached next to the data).
 
 Preparation runs once per (source, tokenizer) and is cached under `data_cache/`, nanoGPT/llm.c style:
 documents are tokenized, joined with an end-of-text token and written as flat binary shards that
-training memory-maps. Batches are a pure function of (seed, step), so resume is exact.
+training memory-maps. Tokenizer processes (--data-workers) work on batches while the source streams;
+results are written in source order, so the tokens never depend on the number of workers. Shards are
+committed one by one: an interrupted preparation resumes at its last finished shard. Batches are a
+pure function of (seed, step), so resume is exact.
 
     python -m minimal_asymloop.data --data stdlib        # prepare (and print stats) without training
 """
@@ -21,12 +24,17 @@ import glob
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import sys
 import sysconfig
+import threading
 import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +44,14 @@ from tqdm.auto import tqdm
 DATA_FORMAT = 1  # bump when the on-disk layout changes; part of the cache key
 FINEWEB = "HuggingFaceFW/fineweb-edu"
 FINEWEB_CONFIG = "sample-10BT"
+FINEWEB_SAMPLES = {"sample-10BT": 10e9, "sample-100BT": 100e9, "sample-350BT": 350e9}  # GPT-2 tokens, per the dataset card
 T5_REPO = "google-t5/t5-base"
 SMOLLM_CORPUS, SMOLLM_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"  # the paper's Appendix G data
 SMOLLM_TOKENIZER = "HuggingFaceTB/SmolLM-135M"  # the SmolLM tokenizer (vocabulary 49152), the paper's Appendix G
 TOKENIZERS = ("bpe", "t5", "smollm")
 EOT = "<|endoftext|>"  # BPE's document separator (id 0); T5 uses its own "</s>"
-SHARD_TOKENS = 100_000_000  # llm.c-sized shards (ours)
+SHARD_TOKENS = 100_000_000  # llm.c-sized shards (ours); a shard is also the unit that an interrupted preparation resumes at
+BATCH_DOCS, BATCH_CHARS = 256, 2_000_000  # one tokenizer task (ours); they fix where a capped preparation stops: keep them
 OFFLINE_ALTERNATIVES = "use --data stdlib (works offline) or --data PATH for local .txt/.jsonl/.parquet files"
 
 
@@ -143,44 +153,85 @@ def source_identity(source: str, max_tokens: int | None) -> dict:
     return dict(kind="local", spec=source, files=len(files), listing=listing[:16], max_tokens=max_tokens)
 
 
-def iter_documents(source: str, ident: dict):
-    """Yield (doc_key, text). doc_key picks the val split by hash, so it must be stable."""
+def document_stream(source: str, ident: dict, position: dict | None = None):
+    """(documents, where): an iterator of (doc_key, text) starting at `position`, and where() -> the position
+    after the last document yielded, to resume from (a document count; for `datasets` streams also its state_dict).
+    doc_key picks the val split by hash, so it must be stable."""
+    start = position["docs"] if position else 0
     if ident["kind"] == "stdlib":
         root, files = stdlib_files()
-        for f in files:
-            yield f.relative_to(root).as_posix(), f.read_bytes().decode("utf-8", errors="replace")
-        return
+        at = [start]
+
+        def stdlib_docs():
+            for f in files[start:]:
+                at[0] += 1
+                yield f.relative_to(root).as_posix(), f.read_bytes().decode("utf-8", errors="replace")
+        return stdlib_docs(), lambda: dict(docs=at[0])
     import datasets
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a failure becomes our one-line DataError, not a log dump
-    try:
-        if ident["kind"] == "fineweb-edu":
-            require_hub(f"--data {source}")
-            try:
-                ds = datasets.load_dataset(FINEWEB, name=ident["config"], split="train", streaming=True)
-            except Exception as e:
-                raise DataError(f"could not open {FINEWEB} ({ident['config']}): {type(e).__name__}: {e}; {OFFLINE_ALTERNATIVES}") from None
-        elif ident["kind"] == "smollm-corpus":
-            ds = open_smollm_corpus()
-        else:
-            files = [str(f) for f in _local_files(source)]
-            builder = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}[Path(files[0]).suffix]
-            kwargs = {"sample_by": "document"} if builder == "text" else {}  # one file = one document
-            ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
-        for i, row in enumerate(ds):
-            if "text" not in row:
-                raise DataError(f"{source!r} has no 'text' column (columns: {sorted(row)}); the data needs a 'text' field per document")
-            yield str(row.get("id", i)), row["text"]
-    except UnicodeDecodeError:  # non-UTF-8 text is refused, never guessed at or replaced (ours)
-        if ident["kind"] != "local":
-            raise
-        raise DataError(f"{_not_utf8(_local_files(source))} is not UTF-8 text; convert it (e.g. iconv -f latin1 -t utf-8) "
-                        f"or remove it") from None
-    except (OSError, ValueError) as e:  # unreadable file, corrupt parquet, malformed JSON lines (pyarrow's errors are ValueErrors)
-        if isinstance(e, DataError) or ident["kind"] != "local":
-            raise
-        raise DataError(f"could not read the data at {source!r}: {type(e).__name__}: {' '.join(str(e).split())}; "
-                        f"fix or remove the bad file") from None
+    ds, at = None, [start]
+
+    def hub_or_local_docs():
+        nonlocal ds
+        try:
+            if ident["kind"] == "fineweb-edu":
+                require_hub(f"--data {source}")
+                try:
+                    ds = datasets.load_dataset(FINEWEB, name=ident["config"], split="train", streaming=True)
+                except Exception as e:
+                    raise DataError(f"could not open {FINEWEB} ({ident['config']}): {type(e).__name__}: {e}; "
+                                    f"{OFFLINE_ALTERNATIVES}") from None
+            elif ident["kind"] == "smollm-corpus":
+                ds = open_smollm_corpus()
+            else:
+                files = [str(f) for f in _local_files(source)]
+                builder = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}[Path(files[0]).suffix]
+                kwargs = {"sample_by": "document"} if builder == "text" else {}  # one file = one document
+                ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+            if position and position.get("stream"):
+                ds.load_state_dict(position["stream"])  # resumes inside the right file, without re-reading the ones before
+            for i, row in enumerate(ds, start=start):
+                if "text" not in row:
+                    raise DataError(f"{source!r} has no 'text' column (columns: {sorted(row)}); the data needs a 'text' field per document")
+                at[0] = i + 1
+                yield str(row.get("id", i)), row["text"]
+        except UnicodeDecodeError:  # non-UTF-8 text is refused, never guessed at or replaced (ours)
+            if ident["kind"] != "local":
+                raise
+            raise DataError(f"{_not_utf8(_local_files(source))} is not UTF-8 text; convert it (e.g. iconv -f latin1 -t utf-8) "
+                            f"or remove it") from None
+        except (OSError, ValueError) as e:  # unreadable file, corrupt parquet, malformed JSON lines (pyarrow's errors are ValueErrors)
+            if isinstance(e, DataError) or ident["kind"] != "local":
+                raise
+            raise DataError(f"could not read the data at {source!r}: {type(e).__name__}: {' '.join(str(e).split())}; "
+                            f"fix or remove the bad file") from None
+
+    return hub_or_local_docs(), lambda: dict(docs=at[0], stream=ds.state_dict() if ds is not None else None)
+
+
+def fineweb_for_budget(source: str, budget: int) -> tuple[str, str | None]:
+    """(source, note): the FineWeb-Edu sample to stream for a budget of `budget` train tokens. Plain `fineweb-edu`
+    becomes the smallest sample that holds the budget (with a note saying so); a named sample that is too small is
+    an error that names the fixes. Other sources pass through. Sizes are nominal GPT-2 token counts; other tokenizers differ somewhat."""
+    if not (source == "fineweb-edu" or source.startswith("fineweb-edu:")):
+        return source, None
+    config = source.split(":", 1)[1] if ":" in source else FINEWEB_CONFIG
+    if config not in FINEWEB_SAMPLES or budget <= FINEWEB_SAMPLES[config]:
+        return source, None
+    bigger = [c for c, n in FINEWEB_SAMPLES.items() if n >= budget]
+    if source == "fineweb-edu" and bigger:
+        return f"fineweb-edu:{bigger[0]}", (f"note: the {budget / 1e9:.1f}B-token budget exceeds FineWeb-Edu {config} (about "
+                                            f"{FINEWEB_SAMPLES[config] / 1e9:.0f}B tokens); streaming {bigger[0]} instead")
+    fix = f"use --data fineweb-edu:{bigger[0]}" if bigger else "use --data fineweb-edu:default (the full ~1.3T tokens)"
+    raise DataError(f"the {budget / 1e9:.1f}B-token training budget exceeds FineWeb-Edu {config} "
+                    f"(about {FINEWEB_SAMPLES[config] / 1e9:.0f}B tokens); {fix}, lower --tokens, "
+                    f"or set --max-data-tokens to repeat a smaller sample on purpose")
+
+
+def iter_documents(source: str, ident: dict):
+    """Yield (doc_key, text) for every document of the source, from the start."""
+    return document_stream(source, ident)[0]
 
 
 def open_smollm_corpus():
@@ -291,38 +342,6 @@ class Prepared:
         return self.meta["unigram_entropy"]
 
 
-class _ShardWriter:
-    def __init__(self, folder: Path, split: str, dtype):
-        self.folder, self.split, self.dtype = folder, split, dtype
-        self.buf, self.n_buf, self.files, self.total = [], 0, [], 0
-        self.counts = None
-
-    def add(self, ids: list[int]):
-        a = np.asarray(ids, dtype=self.dtype)
-        self.buf.append(a)
-        self.n_buf += len(a)
-        self.total += len(a)
-        if self.n_buf >= SHARD_TOKENS:
-            self.flush()
-
-    def flush(self):
-        if not self.buf:
-            return
-        a = np.concatenate(self.buf)
-        name = f"{self.split}_{len(self.files):06d}.bin"
-        a.tofile(self.folder / name)
-        if self.split == "val":
-            c = np.bincount(a.astype(np.int64))
-            self.counts = c if self.counts is None else _add_counts(self.counts, c)
-        self.files.append(name)
-        self.buf, self.n_buf = [], 0
-
-
-def _add_counts(a, b):
-    n = max(len(a), len(b))
-    return np.pad(a, (0, n - len(a))) + np.pad(b, (0, n - len(b)))
-
-
 def entropy_nats(counts: np.ndarray) -> float:
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
@@ -337,15 +356,19 @@ def cache_key(ident: dict, tok_ident: dict, val_fraction: float) -> str:
 
 def prepare(source: str = "stdlib", tokenizer: str = "bpe", bpe_vocab: int = 8192, cache_dir: str = "data_cache",
             max_tokens: int | None = None, val_fraction: float | None = None, bpe_sample_chars: int = 4_000_000,
-            quiet: bool = False, build: bool = True) -> Prepared:
+            quiet: bool = False, build: bool = True, workers: int | None = None) -> Prepared:
     """Prepare (or reuse) tokenized shards for `source` and return them memory-mapped.
 
     max_tokens caps the train tokens read from streaming/local sources (None: everything).
     build=False raises FileNotFoundError instead of preparing (DDP ranks waiting for rank 0).
     val_fraction: share of documents held out, by hash; default 5% (ours; 0.5% for fineweb-edu).
+    workers: tokenizer processes (None: default_workers()); the tokens never depend on it.
+    An interrupted preparation resumes at its last finished shard on the next call.
     """
     if tokenizer not in TOKENIZERS:
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise DataError(f"data workers must be a positive integer or None (one per CPU core but one), got {workers!r}")
     ident = source_identity(source, max_tokens)
     val_fraction = val_fraction if val_fraction is not None else default_val_fraction(ident)
     tok_ident = {"t5": dict(name="t5", repo=T5_REPO), "smollm": dict(name="smollm", repo=SMOLLM_TOKENIZER)}.get(
@@ -354,8 +377,15 @@ def prepare(source: str = "stdlib", tokenizer: str = "bpe", bpe_vocab: int = 819
     if not (folder / "meta.json").exists():
         if not build:
             raise FileNotFoundError(folder / "meta.json")
-        _build(folder, source, ident, tok_ident, val_fraction, max_tokens, quiet)
+        _build(folder, source, ident, tok_ident, val_fraction, max_tokens, quiet, workers or default_workers())
     return load_prepared(folder)
+
+
+def default_workers() -> int:
+    """One tokenizer process per CPU core, leaving one core to stream documents and write shards, and at most 32:
+    one process feeds them all (ours; not measured on a many-core host)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores - 1, 32))
 
 
 def load_prepared(folder) -> Prepared:
@@ -374,29 +404,44 @@ def load_prepared(folder) -> Prepared:
     return Prepared(folder, meta, train, val, tok)
 
 
-def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet):
-    """Tokenize the source into a temp folder, then rename it into place (atomic; a crash leaves no half cache)."""
+def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet, workers):
+    """Tokenize the source into a work folder shard by shard, then rename it into place.
+
+    The work folder survives a failure: the next call resumes it at its last finished shard. A lock
+    serializes builders of one cache entry (DDP ranks on a shared disk); the loser reuses the winner's.
+    """
     if ident["kind"] in ("fineweb-edu", "smollm-corpus"):
         require_hub(f"--data {source}")  # before anything slow, and before the tokenizer's own check
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        _tokenize_into(tmp, source, ident, tok_ident, val_fraction, max_tokens, quiet, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process (a DDP rank on a shared disk) finished first: use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
+    work = folder.parent / f".partial-{folder.name}"
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / "lock", "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.lockf(lock, fcntl.LOCK_EX)  # waits while another process builds this entry; not inherited by forked workers
+        except ImportError:  # Windows: no lock; one builder at a time is then up to the user
+            pass
+        if (folder / "meta.json").exists():  # another process built it while we waited
+            return
+        _tokenize_into(work, source, ident, tok_ident, val_fraction, max_tokens, quiet, folder, workers)
+        if folder.exists():  # a stale, unfinished folder of that name is in the way
+            shutil.rmtree(folder)
+        os.replace(work, folder)  # still locked: a waiting process then finds meta.json and returns
+        (folder / "progress.json").unlink()
+        (folder / "lock").unlink()
 
 
-def _tokenize_into(tmp: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet, folder):
-    t0 = time.time()
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    say(f"preparing {source!r} with the {tok_ident['name']} tokenizer into {folder} (once; cached)")
+def _write_json(path: Path, obj):
+    """Atomic: a crash leaves the old file or the new one, never half of one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _get_tokenizer(work: Path, source, ident, tok_ident, val_fraction, max_tokens, say) -> Tokenizer:
+    """The tokenizer, saved in the work folder first so that a resumed preparation reuses it."""
+    if (work / "tokenizer.json").exists():
+        return Tokenizer.from_file(str(work / "tokenizer.json"))
     if tok_ident["name"] in ("t5", "smollm"):
         tok = load_t5_tokenizer() if tok_ident["name"] == "t5" else load_smollm_tokenizer()
     else:  # BPE learns from a sample of the TRAIN split only, spread over the corpus (not its alphabetical head)
@@ -411,47 +456,175 @@ def _tokenize_into(tmp: Path, source, ident, tok_ident, val_fraction, max_tokens
         sample = sample[::max(1, round(n / want))]
         say(f"  training byte-level BPE (vocab {tok_ident['vocab']}) on {sum(map(len, sample)) / 1e6:.1f}M characters")
         tok = train_bpe(sample, tok_ident["vocab"])
-    vocab = tok.get_vocab_size()
-    dtype = np.uint16 if vocab <= 2**16 else np.uint32
-    eot = eot_id(tok)
-    tok.save(str(tmp / "tokenizer.json"))
-    writers = {"train": _ShardWriter(tmp, "train", dtype), "val": _ShardWriter(tmp, "val", dtype)}
-    n_docs = {"train": 0, "val": 0}
-    bar = tqdm(desc="  tokenizing", unit=" tok", unit_scale=True, disable=quiet, total=max_tokens)
-    batch, batch_chars = [], 0
-    max_batch_chars = min(2_000_000, max_tokens or 2_000_000)  # small batches when capped, to stop near the cap
+    tok.save(str(work / "tokenizer.tmp"))
+    os.replace(work / "tokenizer.tmp", work / "tokenizer.json")
+    return tok
 
-    def flush_batch():
-        for (split, _), enc in zip(batch, tok.encode_batch([t for _, t in batch], add_special_tokens=False)):
-            writers[split].add(enc.ids + [eot])
-            n_docs[split] += 1
-            if split == "train":
-                bar.update(len(enc.ids) + 1)
-        batch.clear()
-        return 0
 
-    for key, text in iter_documents(source, ident):  # encode_batch runs on all cores (Rust threads)
-        batch.append(("val" if is_val(key, val_fraction) else "train", text))
-        batch_chars += len(text)
-        if len(batch) >= 256 or batch_chars >= max_batch_chars:
-            batch_chars = flush_batch()
-            if max_tokens and writers["train"].total >= max_tokens:
-                break
-    flush_batch()
-    bar.close()
-    for w in writers.values():
-        w.flush()
+def document_batches(docs, where, max_tokens):
+    """Group documents into batches of BATCH_DOCS documents or BATCH_CHARS characters (fewer when capped, to stop
+    near the cap). Yields (batch, position after it)."""
+    batch, chars, max_chars = [], 0, min(BATCH_CHARS, max_tokens or BATCH_CHARS)
+    for key, text in docs:
+        batch.append((key, text))
+        chars += len(text)
+        if len(batch) >= BATCH_DOCS or chars >= max_chars:
+            yield batch, where()
+            batch, chars = [], 0
+    if batch:
+        yield batch, where()
+
+
+def encode_batch(tok: Tokenizer, eot: int, dtype, val_fraction: float, batch) -> dict:
+    """{split: (tokens, n_docs)}: each document's ids and an end-of-text token, concatenated per split."""
+    ids = {"train": [], "val": []}
+    for (key, _), enc in zip(batch, tok.encode_batch([t for _, t in batch], add_special_tokens=False)):
+        ids["val" if is_val(key, val_fraction) else "train"].append(enc.ids + [eot])
+    return {s: (np.fromiter(chain.from_iterable(d), dtype, count=sum(map(len, d))), len(d)) for s, d in ids.items()}
+
+
+_worker = {}  # a tokenizer process's tokenizer and settings, set once by _init_worker
+
+
+def _init_worker(tok_json: str, eot: int, dtype, val_fraction: float, parent: int):
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process: the processes are the parallelism
+    _worker.update(tok=Tokenizer.from_str(tok_json), eot=eot, dtype=dtype, val_fraction=val_fraction)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+
+
+def _exit_with_parent(parent: int):
+    """A killed (SIGKILL) parent cannot stop its pool: the workers stop themselves, as torch's DataLoader workers do."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
+
+
+def _encode_in_worker(batch):
+    return encode_batch(_worker["tok"], _worker["eot"], _worker["dtype"], _worker["val_fraction"], batch)
+
+
+def encoded_batches(batches, tok: Tokenizer, eot: int, dtype, val_fraction: float, workers: int):
+    """encode_batch over (batch, position) pairs, in order. workers=1: in this process (the tokenizers library
+    threads each batch); more: a process pool, fed while the source streams, with 2 batches per worker in flight."""
+    if workers == 1:
+        for batch, pos in batches:
+            yield encode_batch(tok, eot, dtype, val_fraction, batch), pos
+        return
+    # fork on Linux, like torch's DataLoader: spawn would re-run a user's script that lacks an `if __name__ == "__main__"` guard
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(tok.to_str(), eot, dtype, val_fraction, os.getpid()))
+    pending, saved = deque(), os.environ.get("TOKENIZERS_PARALLELISM")
+    try:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited: tokenizers' Rust threads stay off in the workers, no warning
+        try:
+            pool.submit(int).result()  # starts the workers
+        finally:
+            if saved is None:
+                del os.environ["TOKENIZERS_PARALLELISM"]
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
+        for batch, pos in batches:
+            pending.append((pool.submit(_encode_in_worker, batch), pos))
+            if len(pending) >= 2 * workers:
+                f, p = pending.popleft()
+                yield f.result(), p
+        while pending:
+            f, p = pending.popleft()
+            yield f.result(), p
+    finally:  # also when the caller stops at the cap: drop the batches not started
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _tokenize_into(work: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet, folder, workers):
+    t0 = time.time()
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    progress = _read_progress(work)
+    if progress:
+        say(f"resuming the preparation of {source!r} in {work} after {len(progress['files'])} shard file(s), "
+            f"{progress['n_train_tokens']:,} train tokens")
+    else:
+        say(f"preparing {source!r} with the {tok_ident['name']} tokenizer into {folder} (once; cached)")
+    tok = _get_tokenizer(work, source, ident, tok_ident, val_fraction, max_tokens, say)
+    progress = write_shards(work, source, ident, tok, val_fraction, max_tokens, workers, quiet, seconds_before=time.time() - t0)
+    n_docs = {s: progress[f"n_{s}_docs"] for s in ("train", "val")}
     if not n_docs["val"] or not n_docs["train"]:
         raise DataError(f"{source!r} gave {n_docs['train']} train and {n_docs['val']} val documents at val_fraction={val_fraction}; "
                         f"both splits need documents: add data or raise val_fraction")
-    meta = dict(format=DATA_FORMAT, source=source, identity=ident, tokenizer=tok_ident, vocab_size=vocab, eot_id=eot,
-                dtype=np.dtype(dtype).name, val_fraction=val_fraction, train_files=writers["train"].files,
-                val_files=writers["val"].files, n_train_tokens=writers["train"].total, n_val_tokens=writers["val"].total,
-                n_train_docs=n_docs["train"], n_val_docs=n_docs["val"], unigram_entropy=entropy_nats(writers["val"].counts),
-                prepare_seconds=round(time.time() - t0, 1))
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
+    val = Tokens([work / f for f in progress["val_files"]], progress["dtype"])
+    counts = np.bincount(val.window(0, len(val)))
+    meta = dict(format=DATA_FORMAT, source=source, identity=ident, tokenizer=tok_ident, vocab_size=tok.get_vocab_size(),
+                eot_id=eot_id(tok), dtype=progress["dtype"], val_fraction=val_fraction, train_files=progress["train_files"],
+                val_files=progress["val_files"], n_train_tokens=progress["n_train_tokens"], n_val_tokens=progress["n_val_tokens"],
+                n_train_docs=n_docs["train"], n_val_docs=n_docs["val"], unigram_entropy=entropy_nats(counts),
+                prepare_seconds=round(progress["seconds"], 1), workers=workers)
+    (work / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
     say(f"  {meta['n_train_tokens'] / 1e6:.2f}M train / {meta['n_val_tokens'] / 1e6:.2f}M val tokens from "
         f"{n_docs['train']}+{n_docs['val']} documents in {meta['prepare_seconds']:.0f}s")
+
+
+def _read_progress(work: Path) -> dict | None:
+    """The progress.json of an interrupted preparation, after checking that its finished shards survived intact."""
+    if not (work / "progress.json").exists():
+        return None
+    progress = json.loads((work / "progress.json").read_text())
+    for f, n in progress["files"].items():
+        if not (work / f).exists() or (work / f).stat().st_size != n * np.dtype(progress["dtype"]).itemsize:
+            raise DataError(f"shard {work / f} of an interrupted preparation is missing or truncated; delete {work} to start over")
+    return progress
+
+
+def write_shards(work: Path, source: str, ident: dict, tok: Tokenizer, val_fraction: float, max_tokens: int | None = None,
+                 workers: int = 1, quiet: bool = True, seconds_before: float = 0.0) -> dict:
+    """Stream, tokenize and append shards to `work` (from where its progress.json stops), committing progress.json after
+    each shard; returns the progress. A shard closes after the batch that brings its train tokens to SHARD_TOKENS, or
+    at the cap or the source's end."""
+    t0 = time.time() - seconds_before
+    dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32
+    progress = _read_progress(work) or dict(dtype=np.dtype(dtype).name, position=None, finished=False, shards=0, files={},
+                                            train_files=[], val_files=[], n_train_tokens=0, n_val_tokens=0, n_train_docs=0,
+                                            n_val_docs=0, seconds=0.0)
+    if progress["finished"]:
+        return progress
+    docs, where = document_stream(source, ident, progress["position"])
+    batches = encoded_batches(document_batches(docs, where, max_tokens), tok, eot_id(tok), dtype, val_fraction, workers)
+    bar = tqdm(desc="  tokenizing", unit=" tok", unit_scale=True, disable=quiet, total=max_tokens, initial=progress["n_train_tokens"])
+    buf, pos = {"train": [], "val": []}, progress["position"]
+
+    def commit(pos, finished):
+        for split, arrays in buf.items():
+            if sum(map(len, arrays)):  # an empty file could not be memory-mapped
+                name = f"{split}_{progress['shards']:06d}.bin"
+                a = np.concatenate(arrays)
+                with open(work / name, "wb") as f:
+                    a.tofile(f)
+                    f.flush()
+                    os.fsync(f.fileno())  # on disk before progress.json says it is
+                progress[f"{split}_files"].append(name)
+                progress["files"][name] = len(a)
+            arrays.clear()
+        progress.update(shards=progress["shards"] + 1, position=pos, finished=finished, seconds=progress["seconds"] + time.time() - t0)
+        _write_json(work / "progress.json", progress)
+
+    try:
+        for out, pos in batches:
+            for split, (a, n) in out.items():
+                buf[split].append(a)
+                progress[f"n_{split}_tokens"] += len(a)
+                progress[f"n_{split}_docs"] += n
+            bar.update(len(out["train"][0]))
+            capped = bool(max_tokens) and progress["n_train_tokens"] >= max_tokens
+            if capped or sum(map(len, buf["train"])) >= SHARD_TOKENS:
+                commit(pos, finished=capped)
+                t0 = time.time()
+            if capped:
+                break
+        else:
+            commit(pos, finished=True)
+    finally:
+        batches.close()  # stops the tokenizer processes now, also on an error
+        bar.close()
+    return progress
 
 
 # ----------------------------------------------------------------------------- batches
@@ -508,9 +681,10 @@ def main(argv=None):
     p.add_argument("--bpe-vocab", type=int, default=8192)
     p.add_argument("--data-cache", default="data_cache")
     p.add_argument("--max-tokens", type=lambda s: int(float(s)), default=None)
+    p.add_argument("--data-workers", type=int, default=None, help="tokenizer processes (default: CPU cores - 1, at most 32)")
     args = p.parse_args(argv)
     try:
-        d = prepare(args.data, args.tokenizer, args.bpe_vocab, args.data_cache, args.max_tokens)
+        d = prepare(args.data, args.tokenizer, args.bpe_vocab, args.data_cache, args.max_tokens, workers=args.data_workers)
     except DataError as e:
         sys.exit(f"error: {e}")
     m = d.meta

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from minimal_asymloop import alrs
 from minimal_asymloop import checkpoint as ckpt
-from minimal_asymloop.data import SHARD_TOKENS, TOKENIZERS, BatchSampler, Tokens, eval_windows, prepare
+from minimal_asymloop.data import SHARD_TOKENS, TOKENIZERS, BatchSampler, Tokens, eval_windows, fineweb_for_budget, prepare
 from minimal_asymloop.model import LoopedLM, ModelConfig, count_params, flops_per_token
 from minimal_asymloop.system import (  # noqa: F401 (gpu_peak_flops: re-exported for tests)
     ConfigError,
@@ -54,6 +54,7 @@ class TrainConfig:
     data_cache: str = "data_cache"
     max_data_tokens: int | None = None  # cap on train tokens read from the source; None: all (fineweb-edu: the budget)
     val_fraction: float | None = None  # None -> 5% of documents (0.5% for fineweb-edu), by hash
+    data_workers: int | None = None  # tokenizer processes preparing data; None -> CPU cores - 1, at most 32 (same tokens for any)
     # batch and budget
     seq_len: int = 1024
     global_batch: int = 512  # sequences per optimizer step, summed over ranks
@@ -104,7 +105,7 @@ class TrainConfig:
         for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "ddp_timeout_s", "max_skips"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("micro_batch", "tokens", "max_steps", "stop_step", "bpe_vocab", "max_data_tokens", "keep_every"):
+        for name in ("micro_batch", "tokens", "max_steps", "stop_step", "bpe_vocab", "max_data_tokens", "keep_every", "data_workers"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
@@ -165,7 +166,7 @@ TRAIN_PRESETS = {
 # (not keep_every: resuming without it would delete the checkpoints it kept)
 RESUME_MAY_CHANGE = {"out_dir", "device", "compile", "compile_backend", "stop_step", "quiet", "resume", "eval_interval", "eval_batches",
                      "micro_batch", "ddp_timeout_s", "data_cache", "skip_nonfinite", "max_skips", "wandb", "wandb_project",
-                     "wandb_run_name"}
+                     "wandb_run_name", "data_workers"}
 NAN_ENV = "MINIMAL_ASYMLOOP_NAN_STEPS"  # test hook: comma-separated steps (1-based) whose loss is made NaN
 
 
@@ -340,21 +341,33 @@ def plot_stable_rank(out_dir) -> Path | None:
 
 
 def _data_for(model_cfg: ModelConfig, cfg: TrainConfig, local_rank: int, quiet: bool):
-    """Prepare the data on local rank 0 (before any collective: it can outlast a timeout); other ranks wait for it."""
+    """Prepare the data on local rank 0 (before any collective: it can outlast a timeout); other ranks wait for it.
+    Says once, at the start, which FineWeb-Edu sample a large budget needs and how many epochs a budget repeats the data."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     budget = cfg.total_steps() * cfg.global_batch * cfg.seq_len
-    max_tokens = cfg.max_data_tokens
-    if max_tokens is None and cfg.data.startswith("fineweb-edu"):
+    source, max_tokens = cfg.data, cfg.max_data_tokens
+    if max_tokens is None and source.startswith("fineweb-edu"):
+        source, note = fineweb_for_budget(source, budget)
+        if note:
+            say(note)
         # a streamed source is read up to the budget, rounded up to whole shards so short runs share a cache (ours)
         max_tokens = math.ceil(budget / SHARD_TOKENS) * SHARD_TOKENS
-    kw = dict(source=cfg.data, tokenizer=cfg.tokenizer, bpe_vocab=cfg.bpe_vocab or model_cfg.vocab_size, cache_dir=cfg.data_cache,
-              max_tokens=max_tokens, val_fraction=cfg.val_fraction)
+    kw = dict(source=source, tokenizer=cfg.tokenizer, bpe_vocab=cfg.bpe_vocab or model_cfg.vocab_size, cache_dir=cfg.data_cache,
+              max_tokens=max_tokens, val_fraction=cfg.val_fraction, workers=cfg.data_workers)
     if local_rank == 0:
-        return prepare(**kw, quiet=quiet)
-    while True:  # torchrun stops this rank if rank 0 fails
-        try:
-            return prepare(**kw, quiet=True, build=False)
-        except FileNotFoundError:
-            time.sleep(2)
+        data = prepare(**kw, quiet=quiet)
+    else:
+        while True:  # torchrun stops this rank if rank 0 fails
+            try:
+                data = prepare(**kw, quiet=True, build=False)
+                break
+            except FileNotFoundError:
+                time.sleep(2)
+    windows, needed = (len(data.train) - 1) // cfg.seq_len, cfg.total_steps() * cfg.global_batch
+    if needed > windows:
+        say(f"note: data repeats: {needed / windows:.2f} epochs (the budget is {needed:,} sequences of {cfg.seq_len} tokens; the train "
+            f"split of {source} holds {windows:,}, {len(data.train):,} tokens), reshuffled each epoch")
+    return data
 
 
 def _nan_steps() -> set[int]:
