@@ -330,14 +330,13 @@ def decoder_encoder_ratios(multipliers: dict[str, float]) -> dict[str, float]:
 
 def plot_alrs(rows: list[dict], ramp_len: int, last_step: int, path) -> dict[str, float]:
     """Plot multipliers over time and the decoder/encoder LR ratios; return the final ratios."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # a bare Figure: no pyplot state, the caller's backend is left alone
 
     steps, hist = multiplier_history(rows, ramp_len, last_step)
     at = [{k: v[i] for k, v in hist.items()} for i in range(len(steps))]
     means, ratios = [group_means(m) for m in at], [decoder_encoder_ratios(m) for m in at]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = Figure(figsize=(12, 4.5))
+    ax1, ax2 = fig.subplots(1, 2)
     for v in hist.values():
         ax1.plot(steps, v, color="0.8", lw=0.6)
     for g in GROUPS:
@@ -356,7 +355,6 @@ def plot_alrs(rows: list[dict], ramp_len: int, last_step: int, path) -> dict[str
     ax2.set(title="Decoder-to-encoder mean LR ratio", xlabel="step", ylabel="ratio")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return ratios[-1]
 
 

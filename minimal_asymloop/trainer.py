@@ -290,15 +290,13 @@ def _trim_metrics(out_dir, last_step: int):
 
 def plot_metrics(out_dir, unigram_entropy: float | None = None) -> Path:
     """Loss curve PNG (train and val cross-entropy vs step) next to metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # a bare Figure: no pyplot state, the caller's backend is left alone
 
     rows = read_metrics(out_dir)
     tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     if tr:
         ax.plot(*zip(*tr), lw=0.8, alpha=0.7, label="train")
     if va:
@@ -310,7 +308,6 @@ def plot_metrics(out_dir, unigram_entropy: float | None = None) -> Path:
     ax.grid(alpha=0.3)
     path = Path(out_dir) / "loss.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
     return path
 
 
