@@ -144,3 +144,7 @@ def check_out_dir(out_dir: Path):
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"cannot write to --out-dir {out_dir} ({e.strerror or e}); choose a writable --out-dir") from None
+
+
+def _dist() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
