@@ -15,7 +15,6 @@ import importlib.metadata
 import json
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -105,26 +104,6 @@ def held_out_loss(model, tokens, seq_len: int, batch_size: int, n_batches: int |
 # ----------------------------------------------------------------------------- lm-eval tasks
 
 
-def hub_offline_reason() -> str | None:
-    """Why Hub data can only come from the local cache (offline flags, or an unreachable Hub), or None.
-
-    When the Hub is unreachable, switch offline mode on: `datasets` would otherwise retry for
-    ~30 s per task before failing, and data already in the cache still loads.
-    """
-    from minimal_asymloop.data import DataError, require_hub
-
-    try:
-        require_hub("the tasks' data", alternatives="")
-        return None
-    except DataError as e:
-        reason = str(e).rstrip("; ")
-    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
-    for mod in ("huggingface_hub.constants", "datasets.config"):  # already imported: they read the env at import
-        if mod in sys.modules:
-            sys.modules[mod].HF_HUB_OFFLINE = True
-    return reason
-
-
 def load_tasks(names: list[str], include_path: str | None = None):
     """(task manager, {name: lm-eval Task}) for our task names (paper names map to lm-eval's); fails fast, saying why."""
     import lm_eval.tasks
@@ -141,7 +120,9 @@ def load_tasks(names: list[str], include_path: str | None = None):
     if unknown:
         raise SystemExit(f"error: unknown task(s) {', '.join(unknown)}; the paper's are {', '.join(PAPER_TASKS)}, "
                          f"any lm-eval task name works (list them with `lm_eval ls tasks`), or pass --include-path DIR for your own YAML")
-    offline = hub_offline_reason()
+    from minimal_asymloop.data import hub_offline_reason
+
+    offline = hub_offline_reason("the tasks' data")
     try:  # TaskManager.load is lm-eval >= 0.4.10's API; get_task_dict the older one
         return tm, (tm.load(lm_names)["tasks"] if hasattr(tm, "load") else get_task_dict(lm_names, tm))
     except (ConnectionError, FileNotFoundError) as e:  # OfflineModeIsEnabled and "not on the Hub" are among these
@@ -192,7 +173,8 @@ def _batches(s: str):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint) or a checkpoint folder")
+    p.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint), a checkpoint folder, an exported "
+                                                 "folder, or a Hub repo id (owner/name, or hf:owner/name)")
     p.add_argument("--data", default=None, help="score the held-out part of this source instead of the run's own data")
     p.add_argument("--n-iter", type=int, default=None, help="test-time depth K (default: the trained K)")
     p.add_argument("--eval-batches", type=_batches, default=None, help="val batches (default: the run's eval_batches, so the loss matches "
@@ -205,7 +187,8 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=16, help="lm-eval requests per forward pass")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--out", default=None, help="JSON path (default: <checkpoint>/eval_k{K}.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: <checkpoint>/eval_k{K}.json; for a Hub repo "
+                                               "./eval_<owner>--<name>_k{K}.json)")
     args = p.parse_args(argv)
     if args.num_fewshot < 0:
         p.error(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
@@ -258,7 +241,10 @@ def main(argv=None):
         print(f"\nlm-eval {out['lm_eval_version']}, {args.num_fewshot}-shot, {args.metric} (%){note}"
               f"{f', first {args.limit} examples per task' if args.limit else ''}:\n{table}")
 
-    out_path = Path(args.out) if args.out else Path(meta["path"]) / f"eval_k{cfg.n_iter}.json"
+    # a Hub download sits in the Hugging Face cache, which is not ours to write into
+    default = Path(f"eval_{meta['hub_repo'].replace('/', '--')}_k{cfg.n_iter}.json") if meta.get("hub_repo") else \
+        Path(meta["path"]) / f"eval_k{cfg.n_iter}.json"
+    out_path = Path(args.out) if args.out else default
     write_json(out_path, report)
     print(f"wrote {out_path}")
     return report
