@@ -16,6 +16,7 @@ Which `--ckpt` is the Hub (ours): `hf:owner/name` always is; a path that exists 
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -69,7 +70,7 @@ def download(repo: str) -> Path:
 
     from minimal_asymloop.data import hub_offline_reason
 
-    offline = hub_offline_reason(f"the Hub repo {repo}")  # None when reachable; else offline mode, and the cache still serves
+    offline = hub_offline_reason(f"the model {repo}")  # None when reachable; else offline mode, and the cache still serves
     try:
         return Path(snapshot_download(repo, allow_patterns=ALLOW))
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
@@ -77,8 +78,8 @@ def download(repo: str) -> Path:
                               f"the name, or log in with `hf auth login` for a private or gated repo") from None
     except (OSError, ValueError) as e:  # LocalEntryNotFoundError (not cached, offline), connection errors, invalid ids
         why = offline or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        raise CheckpointError(f"cannot load {repo} from the Hugging Face Hub: {why}; and it is not in the local cache. "
-                              f"Run once with the Hub reachable, or pass a local folder (an export or a run's out_dir)") from None
+        raise CheckpointError(f"cannot load {repo}: {why}, and it is not in the local Hugging Face cache; run once with the "
+                              f"Hub reachable, or pass a local folder (an export or a run's out_dir)") from None
 
 
 # ----------------------------------------------------------------------------- export: a Hub-ready folder
@@ -126,7 +127,7 @@ tags:
 
 # {repo}
 
-A {arch} language model trained with minimal-asymloop, a reference implementation of Asymmetric Looped
+{"An" if arch[0] in "AEIOU" else "A"} {arch} language model trained with minimal-asymloop, a reference implementation of Asymmetric Looped
 Transformers (Liang et al., 2026, arXiv 2610.28489). A causal encoder runs once and builds a Global KV for
 every decoder layer; a weight-tied decoder then runs K times, attending to the Global KV and its own
 Local KV under one softmax.
@@ -170,6 +171,9 @@ def export(ckpt, to, license: str = "mit", repo: str = "owner/name") -> Path:
         (tmp / "README.md").write_text(model_card(meta, license, repo))
         if to.exists():
             to.rmdir()
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; an export is meant to be shared
         tmp.rename(to)  # a half-written export never sits at `to`
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
