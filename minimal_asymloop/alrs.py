@@ -100,7 +100,7 @@ def ww_alpha(weight: torch.Tensor, dtype=torch.float32) -> float:
     """WeightWatcher's alpha for one matrix: eigenvalues by torch.linalg (see `eigenvalues`), fit by weightwatcher.
 
     With dtype=torch.float64 this equals `WeightWatcher().analyze()` on a CPU machine to ~1e-12;
-    float32 eigenvalues move alpha by about 1e-5 relative (README: ALRS).
+    float32 eigenvalues move alpha by about 1e-5 relative (docs/alrs.md).
     """
     return ww_fit_alpha(eigenvalues(weight, dtype))
 

@@ -31,6 +31,7 @@ from minimal_asymloop.model import LoopedLM, ModelConfig
 FORMAT_VERSION = 1
 DELAY_ENV = "MINIMAL_ASYMLOOP_CKPT_DELAY"  # test hook: seconds to sleep after each file and before the link moves
 FILES = ("model.safetensors", "state.pt", "tokenizer.json", "meta.json")
+EXPORT_FILES = ("model.safetensors", "config.json", "tokenizer.json")  # a model-only folder for the Hub (hub.py)
 
 
 class CheckpointError(ValueError):
@@ -137,22 +138,26 @@ def find_checkpoint(path) -> Path:
         return (path / "latest").resolve()
     if (path / "latest").is_symlink():
         raise CheckpointError(f"{path}/latest points at a missing folder; the run's checkpoints were deleted or moved")
-    raise CheckpointError(f"no checkpoint at {path}: expected a checkpoint folder (with meta.json) or a run's out_dir with a "
-                          f"'latest' checkpoint; train one with `python train_minimal.py --out-dir {path}`")
+    raise CheckpointError(f"no checkpoint at {path}: expected a checkpoint folder (with meta.json), a run's out_dir with a "
+                          f"'latest' checkpoint, an exported folder (with config.json) or a Hub repo id (hf:owner/name); "
+                          f"train one with `python train_minimal.py --out-dir {path}`")
 
 
 def read_meta(path) -> dict:
+    """meta.json of a training checkpoint, or config.json of a model-only export (hub.py), checked."""
     ckpt = find_checkpoint(path)
-    missing = [f for f in FILES if not (ckpt / f).exists()]
+    export = (ckpt / "config.json").exists() and not (ckpt / "meta.json").exists()  # weights, config and tokenizer only
+    name, needed = ("config.json", EXPORT_FILES) if export else ("meta.json", FILES)
+    missing = [f for f in needed if not (ckpt / f).exists()]
     if missing:
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: missing {', '.join(missing)}")
     try:
-        meta = json.loads((ckpt / "meta.json").read_text())
+        meta = json.loads((ckpt / name).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt: meta.json is not valid JSON ({e})") from None
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} is not valid JSON ({e})") from None
     version = meta.get("format_version")
     if not isinstance(version, int):
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt: meta.json has no format_version")
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} has no format_version")
     if version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {ckpt} has format_version {version}, newer than this code's {FORMAT_VERSION}; "
                               f"update minimal-asymloop to load it")
@@ -182,8 +187,14 @@ def load_weights(model: LoopedLM, ckpt: Path):
 
 
 def load_model(path, device="cpu") -> tuple[LoopedLM, Tokenizer, dict]:
-    """(model in eval mode on `device`, tokenizer, meta) from a checkpoint folder or a run's out_dir."""
-    meta = read_meta(path)
+    """(model in eval mode on `device`, tokenizer, meta) from a checkpoint folder, a run's out_dir, an export,
+    or a Hugging Face Hub repo id (`owner/name` or `hf:owner/name`; the rule is in hub.py)."""
+    from minimal_asymloop import hub
+
+    repo = hub.hub_repo_id(path)
+    meta = read_meta(hub.resolve(path))
+    if repo:
+        meta["hub_repo"] = repo
     ckpt = Path(meta["path"])
     model = LoopedLM(model_config_from_meta(meta))
     load_weights(model, ckpt)
@@ -197,6 +208,9 @@ def load_model(path, device="cpu") -> tuple[LoopedLM, Tokenizer, dict]:
 def load_state(path) -> dict:
     """The training state (optimizer, step, RNG, ...) of a checkpoint; never unpickles code."""
     ckpt = find_checkpoint(path)
+    if not (ckpt / "state.pt").exists():
+        raise CheckpointError(f"checkpoint {ckpt} has no state.pt (an export holds the model only); resuming needs a "
+                              f"training checkpoint, a run's out_dir")
     try:
         return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle opcode, forbidden global: all mean "corrupt"

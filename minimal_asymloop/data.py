@@ -85,6 +85,24 @@ def require_hub(what: str, alternatives: str = OFFLINE_ALTERNATIVES, timeout: fl
                         f"({type(e).__name__}); {alternatives}") from None
 
 
+def hub_offline_reason(what: str) -> str | None:
+    """Why `what` can only come from the local Hugging Face cache (offline flags, or an unreachable Hub), or None.
+
+    When the Hub is unreachable, switch offline mode on: `datasets` and `huggingface_hub` would otherwise
+    retry for ~30 s per request before failing, and what is already in the cache still loads.
+    """
+    try:
+        require_hub(what, alternatives="")
+        return None
+    except DataError as e:
+        reason = str(e).rstrip("; ")
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    for mod in ("huggingface_hub.constants", "datasets.config"):  # already imported: they read the env at import
+        if mod in sys.modules:
+            sys.modules[mod].HF_HUB_OFFLINE = True
+    return reason
+
+
 # ----------------------------------------------------------------------------- sources -> documents
 
 

@@ -18,7 +18,6 @@ import json
 import math
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -108,26 +107,6 @@ def held_out_loss(model, tokens, seq_len: int, batch_size: int, n_batches: int |
 # ----------------------------------------------------------------------------- lm-eval tasks
 
 
-def hub_offline_reason(what: str = "the tasks' data") -> str | None:
-    """Why Hub data can only come from the local cache (offline flags, or an unreachable Hub), or None.
-
-    When the Hub is unreachable, switch offline mode on: `datasets` would otherwise retry for
-    ~30 s per task before failing, and data already in the cache still loads.
-    """
-    from minimal_asymloop.data import DataError, require_hub
-
-    try:
-        require_hub(what, alternatives="")
-        return None
-    except DataError as e:
-        reason = str(e).rstrip("; ")
-    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
-    for mod in ("huggingface_hub.constants", "datasets.config"):  # already imported: they read the env at import
-        if mod in sys.modules:
-            sys.modules[mod].HF_HUB_OFFLINE = True
-    return reason
-
-
 def load_tasks(names: list[str], include_path: str | None = None):
     """(task manager, {name: lm-eval Task}) for our task names (paper names map to lm-eval's); fails fast, saying why."""
     import lm_eval.tasks
@@ -144,7 +123,9 @@ def load_tasks(names: list[str], include_path: str | None = None):
     if unknown:
         raise SystemExit(f"error: unknown task(s) {', '.join(unknown)}; the paper's are {', '.join(PAPER_TASKS)}, "
                          f"any lm-eval task name works (list them with `lm_eval ls tasks`), or pass --include-path DIR for your own YAML")
-    offline = hub_offline_reason()
+    from minimal_asymloop.data import hub_offline_reason
+
+    offline = hub_offline_reason("the tasks' data")
     try:  # TaskManager.load is lm-eval >= 0.4.10's API; get_task_dict the older one
         return tm, (tm.load(lm_names)["tasks"] if hasattr(tm, "load") else get_task_dict(lm_names, tm))
     except (ConnectionError, FileNotFoundError) as e:  # OfflineModeIsEnabled and "not on the Hub" are among these
@@ -251,7 +232,7 @@ def evaluate_checkpoint(ckpt: str, args, names, tasks, say=print) -> dict:
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
     report = dict(ckpt=meta["path"], step=meta.get("step"), arch=cfg.arch, n_iter=cfg.n_iter, trained_n_iter=meta["model_config"]["n_iter"],
-                  data=args.data or meta["data"]["source"], dtype=args.dtype)
+                  data=args.data or meta["data"]["source"], dtype=args.dtype, hub_repo=meta.get("hub_repo"))
     report["val"] = held_out_loss(model, tokens, tc["seq_len"], batch, n_batches, args.device, dtype, micro)
     v = report["val"]
     say(f"{cfg.arch} K={cfg.n_iter} step {report['step']} on {report['data']} (held out, {v['tokens']:,} tokens): "
@@ -299,7 +280,8 @@ def over_training(args, names, tasks) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint) or a checkpoint folder")
+    p.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint), a checkpoint folder, an exported "
+                                                 "folder, or a Hub repo id (owner/name, or hf:owner/name)")
     p.add_argument("--all-checkpoints", action="store_true", help="evaluate every kept checkpoint (ckpt_NNNNNNN) of the run in --ckpt "
                    "and plot the results against the step (the paper's Figure 6)")
     p.add_argument("--data", default=None, help="score the held-out part of this source instead of the run's own data")
@@ -314,7 +296,8 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=16, help="lm-eval requests per forward pass")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--out", default=None, help="JSON path (default: <checkpoint>/eval_k{K}.json, or <run>/downstream_k{K}.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: <checkpoint>/eval_k{K}.json; for a Hub repo "
+                   "./eval_<owner>--<name>_k{K}.json; with --all-checkpoints <run>/downstream_k{K}.json)")
     args = p.parse_args(argv)
     if args.num_fewshot < 0:
         p.error(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
@@ -330,7 +313,10 @@ def main(argv=None):
     if args.all_checkpoints:
         return over_training(args, names, tasks)
     report = evaluate_checkpoint(args.ckpt, args, names, tasks)
-    out_path = Path(args.out) if args.out else Path(report["ckpt"]) / f"eval_k{report['n_iter']}.json"
+    # a Hub download sits in the Hugging Face cache, which is not ours to write into
+    default = Path(f"eval_{report['hub_repo'].replace('/', '--')}_k{report['n_iter']}.json") if report["hub_repo"] else \
+        Path(report["ckpt"]) / f"eval_k{report['n_iter']}.json"
+    out_path = Path(args.out) if args.out else default
     write_json(out_path, report)
     print(f"wrote {out_path}")
     return report

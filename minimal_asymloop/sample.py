@@ -3,7 +3,8 @@
     python -m minimal_asymloop.sample --ckpt out/tiny --prompt "def main(" --max-new-tokens 100
     python -m minimal_asymloop.sample --ckpt out/tiny --prompt "import " --n-iter 6   # test-time depth
 
---ckpt takes a checkpoint folder or a run's out_dir (its `latest`). The text goes to stdout,
+--ckpt takes a checkpoint folder, a run's out_dir (its `latest`), an exported folder or a Hugging Face Hub
+repo id (owner/name; hf:owner/name always means the Hub). The text goes to stdout,
 one block per sample; what was loaded goes to stderr.
 """
 
@@ -56,7 +57,8 @@ def sample(model, tokenizer, prompt: str = "", max_new_tokens: int = 100, temper
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="checkpoint folder, or a run's out_dir (uses its latest checkpoint)")
+    p.add_argument("--ckpt", required=True, help="checkpoint folder, a run's out_dir (uses its latest checkpoint), an exported "
+                                                 "folder, or a Hub repo id (owner/name, or hf:owner/name)")
     p.add_argument("--prompt", default="", help="text to continue; empty: start a new document")
     p.add_argument("--n-iter", type=int, default=None, help="loop iterations K at test time (default: the trained K)")
     p.add_argument("--max-new-tokens", type=int, default=100)

@@ -150,8 +150,8 @@ class TrainConfig:
 # only; (ours) 1e-3 also at 135m/350m/1b, where the paper reports no LR sweep of its own.
 _PAPER = dict(data="fineweb-edu", tokenizer="t5", seq_len=1024, global_batch=512, lr=1e-3)
 TRAIN_PRESETS = {
-    # (ours) sized for a 2-core CPU: data prep + training + evals in <= 5 minutes, see README. ALRS off:
-    # its 1-5x multipliers on this LR overshoot at 200 steps (val 5.86 vs 5.21 uniform, README); --alrs true turns it on
+    # (ours) sized for a 2-core CPU: data prep + training + evals in <= 5 minutes, see docs/training.md. ALRS off:
+    # its 1-5x multipliers on this LR overshoot at 200 steps (docs/training.md); --alrs true turns it on
     "tiny": dict(data="stdlib", tokenizer="bpe", seq_len=128, global_batch=16, max_steps=200,
                  lr=3e-3, eval_interval=50, eval_batches=8, alrs=False),
     # the paper's token budgets; micro_batch (ours) fits an 80 GB GPU in bf16, lower it on smaller GPUs

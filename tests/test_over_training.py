@@ -53,9 +53,10 @@ def test_all_checkpoints_needs_kept_checkpoints(tmp_path):
         run_eval("--ckpt", str(tmp_path), "--all-checkpoints")
 
 
+@pytest.mark.extra  # CI runs it again after installing the extras
 def test_all_checkpoints_with_an_lm_eval_task(kept_run, tmp_path):
-    pytest.importorskip("lm_eval")
-    from test_evaluate import direct_accuracy, write_mc_task  # the offline multiple-choice task of test_evaluate.py
+    pytest.importorskip("lm_eval", reason='lm-eval is an optional extra: pip install -e ".[eval]"')
+    from test_harness import direct_accuracy, write_mc_task  # the offline multiple-choice task of test_harness.py
 
     tasks = write_mc_task(tmp_path / "tasks")
     report = run_eval("--ckpt", str(kept_run), "--all-checkpoints", "--tasks", "tiny_mc", "--include-path", str(tasks),

@@ -48,8 +48,9 @@ def test_wandb_without_the_package_is_a_one_line_error_before_any_work(tmp_path,
 
 
 @pytest.mark.slow  # wandb starts its service process: ~10-15 s
+@pytest.mark.extra  # CI runs it again after installing the extras
 def test_wandb_offline_logs_exactly_the_rows_of_metrics_jsonl(tiny_configs, tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb", reason='wandb is an optional extra: pip install -e ".[wandb]"')
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -1,0 +1,229 @@
+"""Share a trained model on the Hugging Face Hub, and load one from it.
+
+    python -m minimal_asymloop.hub export --ckpt out/tiny-asymloop-k3 --to hf_model/        # a Hub-ready folder
+    python -m minimal_asymloop.hub push --ckpt out/tiny-asymloop-k3 --repo you/asymloop-tiny # export + upload
+    python -m minimal_asymloop.sample --ckpt you/asymloop-tiny                               # load from the Hub
+
+An exported folder holds model.safetensors (the weights), config.json (the checkpoint's meta.json: model
+config, training config, step, val loss, data), tokenizer.json and README.md (a model card generated from
+config.json). `checkpoint.load_model` reads such a folder, locally or from the Hub. A download fetches
+*.safetensors and *.json only, so loading never runs code from it.
+
+Which `--ckpt` is the Hub (ours): `hf:owner/name` always is; a path that exists is always local;
+`owner/name` is the Hub unless `owner` is a local folder; anything else is a local path.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from minimal_asymloop.checkpoint import CheckpointError, read_meta
+from minimal_asymloop.model import ModelConfig, count_params
+
+HUB_PREFIX = "hf:"
+ALLOW = ["*.safetensors", "*.json"]  # weights, config, tokenizer: data only, never code or pickles
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # owner/name, as the Hub spells repo ids
+ARCH_NAMES = {"dense": "Dense", "full_loop": "Full Loop", "asymloop": "AsymLoop"}
+
+
+# ----------------------------------------------------------------------------- --ckpt: a local path or a Hub repo
+
+
+def hub_repo_id(spec: str) -> str | None:
+    """The Hub repo id that `spec` names, or None when it names a local path (the rule in the module doc)."""
+    spec = str(spec)
+    if spec.startswith(HUB_PREFIX):
+        repo = spec[len(HUB_PREFIX):].lstrip("/")  # hf:owner/name or hf://owner/name
+        if not REPO_ID.fullmatch(repo):
+            raise CheckpointError(f"{spec!r} is not a Hub repo id: write hf:owner/name")
+        return repo
+    if Path(spec).expanduser().exists() or not REPO_ID.fullmatch(spec) or Path(spec.split("/")[0]).is_dir():
+        return None
+    return spec
+
+
+def resolve(spec) -> Path:
+    """A local folder for --ckpt `spec`: itself when local, else a download of the Hub repo's weights and JSON."""
+    repo = hub_repo_id(spec)
+    if repo is None:
+        path = Path(spec).expanduser()
+        if not path.exists() and REPO_ID.fullmatch(str(spec)):  # owner/name whose owner is a local folder
+            raise CheckpointError(f"no checkpoint at {spec}: read as a local path because ./{str(spec).split('/')[0]} is a "
+                                  f"folder; for the Hub repo {spec} write hf:{spec}")
+        return path
+    if not str(spec).startswith(HUB_PREFIX):  # say which reading was taken: a typo'd local path must not pass unnoticed
+        print(f"{spec}: no local folder of that name; loading the Hugging Face Hub repo {repo} "
+              f"(write ./{spec} for a local path)", file=sys.stderr)
+    return download(repo)
+
+
+def download(repo: str) -> Path:
+    """The Hub repo's *.safetensors and *.json in the local Hugging Face cache (fetched once); fails fast offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError  # where 0.24 and 2.x both have them
+
+    from minimal_asymloop.data import hub_offline_reason
+
+    offline = hub_offline_reason(f"the model {repo}")  # None when reachable; else offline mode, and the cache still serves
+    try:
+        return Path(snapshot_download(repo, allow_patterns=ALLOW))
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
+        raise CheckpointError(f"the Hugging Face Hub has no model repo {repo} that you can read ({type(e).__name__}); check "
+                              f"the name, or log in with `hf auth login` for a private or gated repo") from None
+    except (OSError, ValueError) as e:  # LocalEntryNotFoundError (not cached, offline), connection errors, invalid ids
+        why = offline or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        raise CheckpointError(f"cannot load {repo}: {why}, and it is not in the local Hugging Face cache; run once with the "
+                              f"Hub reachable, or pass a local folder (an export or a run's out_dir)") from None
+
+
+# ----------------------------------------------------------------------------- export: a Hub-ready folder
+
+
+def tokens_seen(meta: dict) -> int | None:
+    tc = meta.get("train_config", {})
+    return meta["step"] * tc["global_batch"] * tc["seq_len"] if {"global_batch", "seq_len"} <= tc.keys() else None
+
+
+def model_card(meta: dict, license: str, repo: str) -> str:
+    """README.md for the Hub: YAML front matter, then the architecture, K, data, tokens seen and val loss."""
+    cfg = ModelConfig(**meta["model_config"])
+    tc, data = meta.get("train_config", {}), meta.get("data", {})
+    tokens, val = tokens_seen(meta), meta.get("val_loss")
+    arch = f"{ARCH_NAMES[cfg.arch]}" + (f" K={cfg.n_iter}" if cfg.arch != "dense" else "")
+    blocks = (f"{cfg.n_enc} encoder + {cfg.n_layer - cfg.n_enc} decoder blocks" if cfg.arch == "asymloop"
+              else f"{cfg.n_layer} blocks")
+    tok = data.get("tokenizer", {})
+    datasets = "\ndatasets:\n- HuggingFaceFW/fineweb-edu" if str(data.get("source", "")).startswith("fineweb-edu") else ""
+    rows = [("architecture", f"{arch}: {blocks}, effective depth {cfg.effective_depth}"
+                             + (f", context `{cfg.context}`" if cfg.arch == "asymloop" else "")),
+            ("loop iterations K", cfg.n_iter if cfg.arch != "dense" else "1 (no loop)"),
+            ("width", f"d_model {cfg.d_model}, {cfg.n_head} heads, d_ff {cfg.d_ff}, QKNorm {'on' if cfg.qk_norm else 'off'}, "
+                      f"backbone {cfg.backbone}" + (f", MoE {cfg.moe_experts} experts top-{cfg.moe_top_k}" if cfg.moe_experts else "")),
+            ("parameters", f"{count_params(cfg) / 1e6:.2f}M"),
+            ("vocabulary, context", f"{cfg.vocab_size}, {cfg.max_seq_len} tokens"),
+            ("data", f"`{data.get('source', tc.get('data', '?'))}`, tokenizer `{tok.get('name', tc.get('tokenizer', '?'))}`"),
+            ("tokens seen", f"{tokens:,} ({meta['step']:,} steps)" if tokens is not None else f"{meta.get('step')} steps"),
+            ("validation loss", f"{val:.4f} nats/token (perplexity {math.exp(val):.1f}) on the held-out split"
+                                if val is not None else "not evaluated at this step")]
+    if data.get("unigram_entropy"):
+        rows.append(("context-free baseline", f"{data['unigram_entropy']:.4f} nats/token (unigram entropy of the held-out split)"))
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return f"""---
+library_name: minimal-asymloop
+license: {license}
+tags:
+- asymloop
+- looped-transformer
+- pytorch
+- safetensors
+- text-generation{datasets}
+---
+
+# {repo}
+
+{"An" if arch[0] in "AEIOU" else "A"} {arch} language model trained with minimal-asymloop, a reference implementation of Asymmetric Looped
+Transformers (Liang et al., 2026, arXiv 2610.28489). A causal encoder runs once and builds a Global KV for
+every decoder layer; a weight-tied decoder then runs K times, attending to the Global KV and its own
+Local KV under one softmax.
+
+| | |
+|---|---|
+{table}
+
+## Use
+
+```bash
+# with minimal-asymloop installed (pip install -e . in a clone of its repository)
+python -m minimal_asymloop.sample --ckpt hf:{repo} --prompt "def main("
+python -m minimal_asymloop.evaluate --ckpt hf:{repo}
+```
+
+```python
+from minimal_asymloop.checkpoint import load_model
+model, tokenizer, meta = load_model("hf:{repo}")
+```
+
+Files: `model.safetensors` (weights), `config.json` (model and training configuration, step, validation
+loss, data), `tokenizer.json`. Loading reads only these, so it never runs code from the repository.
+"""
+
+
+def export(ckpt, to, license: str = "mit", repo: str = "owner/name") -> Path:
+    """Write the Hub-ready folder `to` from a checkpoint folder, a run's out_dir or an earlier export.
+    `repo` is the Hub repo id the model card names."""
+    meta = read_meta(resolve(ckpt))
+    src, to = Path(meta.pop("path")), Path(to)
+    meta.pop("hub_repo", None)
+    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+        raise CheckpointError(f"--to {to} exists and is not an empty folder; choose a new folder or remove it")
+    to.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{to.name}.tmp-", dir=to.parent))  # same file system: the final move is a rename
+    try:
+        shutil.copyfile(src / "model.safetensors", tmp / "model.safetensors")
+        shutil.copyfile(src / "tokenizer.json", tmp / "tokenizer.json")
+        (tmp / "config.json").write_text(json.dumps(meta, indent=1))
+        (tmp / "README.md").write_text(model_card(meta, license, repo))
+        if to.exists():
+            to.rmdir()
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; an export is meant to be shared
+        tmp.rename(to)  # a half-written export never sits at `to`
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return to
+
+
+def push(ckpt, repo: str, private: bool = False, license: str = "mit") -> str:
+    """Export `ckpt` and upload it to the Hub repo `repo` (created if needed); returns the repo's URL."""
+    from huggingface_hub import HfApi
+
+    from minimal_asymloop.data import require_hub
+
+    if not REPO_ID.fullmatch(repo.removeprefix(HUB_PREFIX)):
+        raise CheckpointError(f"--repo {repo!r} is not a Hub repo id: write owner/name")
+    repo = repo.removeprefix(HUB_PREFIX)
+    require_hub(f"pushing to {repo}", alternatives="export a folder now with `python -m minimal_asymloop.hub export` "
+                                                  "and push it later with --ckpt FOLDER")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export(ckpt, Path(tmp) / "model", license, repo)
+        api = HfApi()
+        url = api.create_repo(repo, private=private, exist_ok=True)
+        meta = json.loads((folder / "config.json").read_text())
+        api.upload_folder(repo_id=repo, folder_path=str(folder),
+                          commit_message=f"{meta['model_config']['arch']} K={meta['model_config']['n_iter']} at step {meta['step']}")
+    return str(url)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="write a Hub-ready folder (weights, config, tokenizer, model card)")
+    e.add_argument("--to", required=True, help="a new (or empty) folder")
+    e.add_argument("--repo", default="owner/name", help="the Hub repo id the model card names (for a later upload)")
+    u = sub.add_parser("push", help="export and upload to a Hub repo (created if needed)")
+    u.add_argument("--repo", required=True, help="owner/name on the Hub")
+    u.add_argument("--private", action="store_true")
+    for s in (e, u):
+        s.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint), a checkpoint folder or an export")
+        s.add_argument("--license", default="mit", help="the model card's license (ours: the code's MIT by default)")
+    args = p.parse_args(argv)
+    from minimal_asymloop.data import DataError
+
+    try:
+        if args.cmd == "export":
+            print(f"wrote {export(args.ckpt, args.to, args.license, args.repo)}")
+        else:
+            print(f"pushed to {push(args.ckpt, args.repo, args.private, args.license)}")
+    except (CheckpointError, DataError) as err:
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    main()
