@@ -254,11 +254,11 @@ def best_lr(runs: list[dict], arm: str, seeds) -> float | None:
 
 def alrs_experiment(quick=False):
     """AsymLoop K=3, uniform LR vs ALRS: base-LR sweep for each, then controls at the best LRs, >= 3 seeds each."""
-    from minimal_asymloop import alrs
 
     steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
     lrs = {arm: grid[1:2] if quick else grid for arm, grid in ALRS_LRS.items()}
     runs: list[dict] = []
+    state: dict = {}  # best LRs, spectra, the scaled-uniform LR: filled in as the queue gets there
     t_start = time.time()
 
     def setting():
@@ -269,48 +269,66 @@ def alrs_experiment(quick=False):
                     schedule=ALRS_SCHEDULE, lr_grids=lrs, budget=dict(budget, steps=steps),
                     regenerate=f"python -m minimal_asymloop.experiments alrs --seeds {' '.join(map(str, seeds))} --steps {steps}")
 
+    def result(partial=False):
+        best = {arm: best_lr(runs, arm, seeds) for arm in ("uniform", "alrs")}  # over every seed, among complete LRs
+        return dict(setting=setting(), best_lr=best, **state, runs=runs, partial=partial, seconds=time.time() - t_start)
+
     def run(arm, lr, seed):
-        done = [r for r in runs if (r["arm"], r["lr"], r["seed"]) == (arm, lr, seed)]
-        if not done:
+        if not any((r["arm"], r["lr"], r["seed"]) == (arm, lr, seed) for r in runs):
             runs.append(alrs_arm(arm, lr, seed, steps))
             if not quick:  # a partial result after every run, so finished groups can be used before the rest is done
-                write_json(RESULTS / "alrs.json", dict(setting=setting(), runs=runs, partial=True, seconds=time.time() - t_start))
+                write_json(RESULTS / "alrs.json", result(partial=True))
 
-    # (a) the base-LR sweep, seed-major so that an interrupted sweep still covers every LR
-    for seed in seeds:
-        for arm in ("uniform", "alrs"):
-            for lr in lrs[arm]:
-                run(arm, lr, seed)
+    # The order (ours) puts first what a cut-short queue most needs: (a) every LR of both grids at the first seed (plus
+    # one LR beyond an edge that wins), then the other seeds at each arm's best LR of the first seed, so the arms can be
+    # compared at their own best over every seed; (b) the uniform LR scaled by ALRS's mean multiplier; (a) every LR at
+    # every seed, nearest the best first; (b) the hill_median fit and unpinned embedding/head.
+    first = seeds[:1]
+    for arm in ("uniform", "alrs"):
+        for lr in lrs[arm]:
+            run(arm, lr, first[0])
     for arm in ("uniform", "alrs"):  # a best LR on the grid's edge: one more LR beyond it
-        best, grid = best_lr(runs, arm, seeds), sorted(lrs[arm])
+        best, grid = best_lr(runs, arm, first), sorted(lrs[arm])
         if not quick and best in (grid[0], grid[-1]):
             lrs[arm] = tuple(sorted((*grid, best / 2 if best == grid[0] else best * 2)))
-            for seed in seeds:
-                run(arm, lrs[arm][0] if best == grid[0] else lrs[arm][-1], seed)
-    best = {arm: best_lr(runs, arm, seeds) for arm in ("uniform", "alrs")}
-    # (b) controls at ALRS's best LR: a uniform LR scaled by ALRS's mean multiplier, embedding/head not pinned, hill_median
-    mean_mult = float(np.mean([r["mean_multiplier"] for r in runs if r["arm"] == "alrs" and r["lr"] == best["alrs"]]))
-    scaled = float(f"{best['alrs'] * mean_mult:.3g}")
+            run(arm, lrs[arm][0] if best == grid[0] else lrs[arm][-1], first[0])
+    best0 = {arm: best_lr(runs, arm, first) for arm in ("uniform", "alrs")}
+    state["best_lr_first_seed"] = best0
+    for seed in seeds[1:]:
+        for arm in ("uniform", "alrs"):
+            run(arm, best0[arm], seed)
+    state["spectra"] = alrs_spectra(best0, first[0])
+    mean_mult = float(np.mean([r["mean_multiplier"] for r in runs if r["arm"] == "alrs" and r["lr"] == best0["alrs"]]))
+    state.update(mean_multiplier=mean_mult, scaled_uniform_lr=float(f"{best0['alrs'] * mean_mult:.3g}"))
     for seed in seeds:
-        run("uniform", scaled, seed)
-        run("alrs_unpinned", best["alrs"], seed)
-        run("alrs_hill", best["alrs"], seed)
+        run("uniform", state["scaled_uniform_lr"], seed)
+    for arm in ("uniform", "alrs"):
+        for lr in sorted(lrs[arm], key=lambda lr: abs(np.log(lr / best0[arm]))):
+            for seed in seeds:
+                run(arm, lr, seed)
+    for control in ("alrs_hill", "alrs_unpinned"):
+        for seed in seeds:
+            run(control, best0["alrs"], seed)
+    return result()
 
-    # alphas (both fits), spectra and stable rank at init and after training at each arm's best LR (seed 0)
+
+def alrs_spectra(best: dict, seed: int) -> dict:
+    """Alphas (both fits), two matrices' eigenvalues and the stable rank at init and after training at each arm's best LR."""
+    from minimal_asymloop import alrs
+
     cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
-    torch.manual_seed(seeds[0])
+    torch.manual_seed(seed)
     models = {"init": LoopedLM(cfg)}
     for arm in ("uniform", "alrs"):
-        models[arm], _, _ = load_model(RUNS / f"alrs_study-{arm}-lr{best[arm]:.3g}-s{seeds[0]}")
-    spectra = {}
+        models[arm], _, _ = load_model(RUNS / f"alrs_study-{arm}-lr{best[arm]:.3g}-s{seed}")
+    out = {}
     for tag, model in models.items():
         mats = alrs.tuned_matrices(model)
-        spectra[tag] = dict(alpha_ww={n: alrs.ww_alpha(w) for n, w in mats.items()},
-                            alpha_hill={n: alrs.hill_median_alpha(alrs.eigenvalues(w)) for n, w in mats.items()},
-                            eigenvalues={n: alrs.eigenvalues(mats[n]).tolist() for n in SPECTRA},
-                            stable_rank=alrs.stable_rank_summary(model))
-    return dict(setting=setting(), best_lr=best, mean_multiplier=mean_mult, scaled_uniform_lr=scaled, runs=runs, spectra=spectra,
-                partial=False)
+        out[tag] = dict(alpha_ww={n: alrs.ww_alpha(w) for n, w in mats.items()},
+                        alpha_hill={n: alrs.hill_median_alpha(alrs.eigenvalues(w)) for n, w in mats.items()},
+                        eigenvalues={n: alrs.eigenvalues(mats[n]).tolist() for n in SPECTRA},
+                        stable_rank=alrs.stable_rank_summary(model), best_lr=best.get(tag))
+    return out
 
 
 def write_json(path: Path, obj: dict):

@@ -31,3 +31,29 @@ def test_alrs_study_setting_fits_two_tokens_per_param_and_tunes_every_matrix():
     model = LoopedLM(cfg)
     n_matrices = sum(1 for p in model.parameters() if p.dim() == 2)
     assert len(alrs.tuned_matrices(model)) == n_matrices  # d_model 64: every matrix has >= 50 eigenvalues
+
+
+def test_alrs_queue_order_edge_extension_and_controls(monkeypatch):
+    """With a fake trainer: seed 0 sweeps both grids (one LR beyond a winning edge), the other seeds follow at the
+    first seed's best, then the scaled-uniform control at base x mean multiplier, the rest of the sweep, the fits."""
+    order = []
+
+    def fake_arm(arm, lr, seed, steps):
+        order.append((arm, lr, seed))
+        loss = 4.0 - lr if arm == "uniform" else 4.0 + abs(lr - 2.5e-3)  # uniform: higher is better; ALRS: 2.5e-3
+        return dict(arm=arm, lr=lr, seed=seed, val_loss=loss + 0.01 * seed, mean_multiplier=3.0)
+
+    writes = []
+    monkeypatch.setattr(ex, "alrs_arm", fake_arm)
+    monkeypatch.setattr(ex, "alrs_spectra", lambda best, seed: dict(best=best))
+    monkeypatch.setattr(ex, "write_json", lambda path, obj: writes.append(obj))
+    monkeypatch.setattr(ex, "SEEDS", (0, 1, 2))
+    res = ex.alrs_experiment()
+    first = [(a, lr, 0) for a in ("uniform", "alrs") for lr in ex.ALRS_LRS[a]] + [("uniform", 2e-2, 0)]
+    assert order[:7] == first  # uniform's best (1e-2) is its grid's top edge: 2e-2 added
+    assert order[7:11] == [("uniform", 2e-2, 1), ("alrs", 2.5e-3, 1), ("uniform", 2e-2, 2), ("alrs", 2.5e-3, 2)]
+    assert res["scaled_uniform_lr"] == 7.5e-3 and order[11:14] == [("uniform", 7.5e-3, s) for s in (0, 1, 2)]
+    assert order[-6:] == [(c, 2.5e-3, s) for c in ("alrs_hill", "alrs_unpinned") for s in (0, 1, 2)]
+    assert len(order) == len(set(order)) == 3 * (4 + 3) + 3 * 3  # every (arm, lr, seed) once
+    assert res["best_lr"] == {"uniform": 2e-2, "alrs": 2.5e-3} and res["partial"] is False
+    assert len(writes) == len(order) and writes[-1]["partial"] is True
