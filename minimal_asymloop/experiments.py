@@ -242,11 +242,11 @@ def alrs_arm(arm: str, lr: float, seed: int, steps: int) -> dict:
     return row
 
 
-def best_lr(runs: list[dict], arm: str, seeds) -> float | None:
-    """The arm's base LR with the lowest mean val loss over `seeds` (only LRs that have every seed)."""
+def best_lr(runs: list[dict], arm: str, seeds, grid=None) -> float | None:
+    """The arm's base LR with the lowest mean val loss over `seeds`, among the LRs of `grid` (None: any) that have every seed."""
     by_lr: dict[float, dict] = {}
     for r in runs:
-        if r["arm"] == arm:
+        if r["arm"] == arm and (grid is None or r["lr"] in grid):
             by_lr.setdefault(r["lr"], {})[r["seed"]] = r["val_loss"]
     full = {lr: np.mean([v[s] for s in seeds]) for lr, v in by_lr.items() if all(s in v for s in seeds)}
     return min(full, key=full.get) if full else None
@@ -270,7 +270,7 @@ def alrs_experiment(quick=False):
                     regenerate=f"python -m minimal_asymloop.experiments alrs --seeds {' '.join(map(str, seeds))} --steps {steps}")
 
     def result(partial=False):
-        best = {arm: best_lr(runs, arm, seeds) for arm in ("uniform", "alrs")}  # over every seed, among complete LRs
+        best = {arm: best_lr(runs, arm, seeds, lrs[arm]) for arm in ("uniform", "alrs")}  # the sweep's LRs with every seed
         return dict(setting=setting(), best_lr=best, **state, runs=runs, partial=partial, seconds=time.time() - t_start)
 
     def run(arm, lr, seed):
@@ -288,11 +288,11 @@ def alrs_experiment(quick=False):
         for lr in lrs[arm]:
             run(arm, lr, first[0])
     for arm in ("uniform", "alrs"):  # a best LR on the grid's edge: one more LR beyond it
-        best, grid = best_lr(runs, arm, first), sorted(lrs[arm])
+        best, grid = best_lr(runs, arm, first, lrs[arm]), sorted(lrs[arm])
         if not quick and best in (grid[0], grid[-1]):
             lrs[arm] = tuple(sorted((*grid, best / 2 if best == grid[0] else best * 2)))
             run(arm, lrs[arm][0] if best == grid[0] else lrs[arm][-1], first[0])
-    best0 = {arm: best_lr(runs, arm, first) for arm in ("uniform", "alrs")}
+    best0 = {arm: best_lr(runs, arm, first, lrs[arm]) for arm in ("uniform", "alrs")}
     state["best_lr_first_seed"] = best0
     for seed in seeds[1:]:
         for arm in ("uniform", "alrs"):

@@ -11,6 +11,7 @@ def test_best_lr_uses_the_mean_over_seeds_and_only_complete_lrs():
     assert ex.best_lr(runs, "uniform", (0, 1)) == 2e-3  # mean 4.15 < 4.2; seed 0 alone would pick 1e-3
     assert ex.best_lr(runs, "uniform", (0,)) == 4e-3
     assert ex.best_lr(runs, "alrs_hill", (0, 1)) is None
+    assert ex.best_lr(runs, "uniform", (0, 1), grid=(2e-3, 4e-3)) == 2e-3 and ex.best_lr(runs, "uniform", (0, 1), grid=(1e-3,)) == 1e-3
 
 
 def test_alrs_records_reads_logged_allocations():
@@ -56,4 +57,7 @@ def test_alrs_queue_order_edge_extension_and_controls(monkeypatch):
     assert order[-6:] == [(c, 2.5e-3, s) for c in ("alrs_hill", "alrs_unpinned") for s in (0, 1, 2)]
     assert len(order) == len(set(order)) == 3 * (4 + 3) + 3 * 3  # every (arm, lr, seed) once
     assert res["best_lr"] == {"uniform": 2e-2, "alrs": 2.5e-3} and res["partial"] is False
+    # the scaled-uniform control (7.5e-3) is not a sweep LR, so it never becomes uniform's best
+    assert ex.best_lr([*res["runs"], *[dict(arm="uniform", lr=7.5e-3, seed=s, val_loss=0.0) for s in (0, 1, 2)]], "uniform", (0, 1, 2),
+                      res["setting"]["lr_grids"]["uniform"]) == 2e-2
     assert len(writes) == len(order) and writes[-1]["partial"] is True
