@@ -281,8 +281,8 @@ def alrs_experiment(quick=False):
 
     # The order (ours) puts first what a cut-short queue most needs: (a) every LR of both grids at the first seed (plus
     # one LR beyond an edge that wins), then the other seeds at each arm's best LR of the first seed, so the arms can be
-    # compared at their own best over every seed; (b) the uniform LR scaled by ALRS's mean multiplier; (a) every LR at
-    # every seed, nearest the best first; (b) the hill_median fit and unpinned embedding/head.
+    # compared at their own best over every seed; (b) the uniform LR scaled by ALRS's mean multiplier, then embedding/head
+    # unpinned; (a) every LR at every seed, nearest each arm's best first; (b) the hill_median fit.
     first = seeds[:1]
     for arm in ("uniform", "alrs"):
         for lr in lrs[arm]:
@@ -302,13 +302,14 @@ def alrs_experiment(quick=False):
     state.update(mean_multiplier=mean_mult, scaled_uniform_lr=float(f"{best0['alrs'] * mean_mult:.3g}"))
     for seed in seeds:
         run("uniform", state["scaled_uniform_lr"], seed)
-    for arm in ("uniform", "alrs"):
-        for lr in sorted(lrs[arm], key=lambda lr: abs(np.log(lr / best0[arm]))):
-            for seed in seeds:
-                run(arm, lr, seed)
-    for control in ("alrs_hill", "alrs_unpinned"):
+    for seed in seeds:
+        run("alrs_unpinned", best0["alrs"], seed)
+    rest = sorted(((arm, lr) for arm in ("uniform", "alrs") for lr in lrs[arm]), key=lambda a: abs(np.log(a[1] / best0[a[0]])))
+    for arm, lr in rest:  # both arms' LRs, nearest to each arm's best first
         for seed in seeds:
-            run(control, best0["alrs"], seed)
+            run(arm, lr, seed)
+    for seed in seeds:
+        run("alrs_hill", best0["alrs"], seed)
     return result()
 
 

@@ -36,7 +36,7 @@ def test_alrs_study_setting_fits_two_tokens_per_param_and_tunes_every_matrix():
 
 def test_alrs_queue_order_edge_extension_and_controls(monkeypatch):
     """With a fake trainer: seed 0 sweeps both grids (one LR beyond a winning edge), the other seeds follow at the
-    first seed's best, then the scaled-uniform control at base x mean multiplier, the rest of the sweep, the fits."""
+    first seed's best, then the scaled-uniform control at base x mean multiplier, unpinned, the rest of the sweep, hill."""
     order = []
 
     def fake_arm(arm, lr, seed, steps):
@@ -54,7 +54,9 @@ def test_alrs_queue_order_edge_extension_and_controls(monkeypatch):
     assert order[:7] == first  # uniform's best (1e-2) is its grid's top edge: 2e-2 added
     assert order[7:11] == [("uniform", 2e-2, 1), ("alrs", 2.5e-3, 1), ("uniform", 2e-2, 2), ("alrs", 2.5e-3, 2)]
     assert res["scaled_uniform_lr"] == 7.5e-3 and order[11:14] == [("uniform", 7.5e-3, s) for s in (0, 1, 2)]
-    assert order[-6:] == [(c, 2.5e-3, s) for c in ("alrs_hill", "alrs_unpinned") for s in (0, 1, 2)]
+    assert order[14:17] == [("alrs_unpinned", 2.5e-3, s) for s in (0, 1, 2)]
+    assert order[17:19] == [("uniform", 1e-2, 1), ("uniform", 1e-2, 2)]  # the rest of the sweep, nearest each best first
+    assert order[-3:] == [("alrs_hill", 2.5e-3, s) for s in (0, 1, 2)]
     assert len(order) == len(set(order)) == 3 * (4 + 3) + 3 * 3  # every (arm, lr, seed) once
     assert res["best_lr"] == {"uniform": 2e-2, "alrs": 2.5e-3} and res["partial"] is False
     # the scaled-uniform control (7.5e-3) is not a sweep LR, so it never becomes uniform's best
