@@ -188,46 +188,155 @@ CHAIN_STEPS = 500
 CHAIN_BATCH = 64
 
 
-# (ours) the paper's schedule (allocate every 100 steps, 50-step ramps, freeze at 20%) scaled to a 200-step run
-ALRS_SCHEDULE = dict(every=20, ramp=10, phase=0.2)
+# ----------------------------------------------------------------------------- ALRS, fairly (base-LR sweep + controls)
+
+# (ours) the LM setting of the ALRS study, sized so that 3 seeds x (2 arms x 3 base LRs + 3 controls) runs of >= 2 tokens
+# per parameter fit about an hour of one shared CPU core: AsymLoop K=3, d_model 64 (so every matrix has >= 64 eigenvalues,
+# enough to fit), L = 4 (E = D = 2), d_ff 128, a 512-token BPE, batch 16 x seq 128, QKNorm on; 246,560 parameters
+ALRS_LM = dict(n_layer=4, d_model=64, n_head=4, d_ff=128, vocab_size=512, max_seq_len=128, qk_norm=True)
+ALRS_TRAIN = dict(data="stdlib", tokenizer="bpe", bpe_vocab=512, data_cache=DATA_CACHE, seq_len=128, global_batch=16,
+                  eval_batches=16, quiet=True, device="cpu", dtype="float32")
+# (ours) the paper's schedule (allocate every 100 steps, 50-step ramps, freeze after 20% of training) scaled to a
+# 250-step run: allocations at steps 0, 10, ..., 50, each reached by a 5-step ramp, then frozen
+ALRS_SCHEDULE = dict(alrs_every=10, alrs_ramp=5, alrs_phase=0.2)
+# base-LR grids (ours): ALRS multiplies the base LR by 1-5, so its grid sits one octave lower; an arm whose best LR
+# lands on the edge of its grid gets one more LR beyond that edge before the controls run
+ALRS_LRS = {"uniform": (2.5e-3, 5e-3, 1e-2), "alrs": (1.25e-3, 2.5e-3, 5e-3)}
 SPECTRA = ("decoder.0.mlp.up.weight", "encoder.0.attn.wq.weight")  # matrices whose eigenvalues are stored
 
 
 def alrs_records(rows: list[dict]) -> list[dict]:
-    """The allocations logged in a run's metrics, as {step, alpha, multiplier} (either logging key style)."""
-    out = []
-    for r in rows:
-        if "alrs_multiplier" in r:
-            out.append(dict(step=r["alrs_step"], alpha=r["alrs_alpha"], multiplier=r["alrs_multiplier"]))
-        elif r.get("kind") == "alrs":
-            out.append(dict(step=r["step"], alpha=r["alpha"], multiplier=r["multiplier"]))
-    return out
+    """The allocations logged in a run's metrics, as {step, alpha, multiplier}."""
+    return [dict(step=r["alrs_step"], alpha=r["alrs_alpha"], multiplier=r["alrs_multiplier"]) for r in rows if "alrs_multiplier" in r]
+
+
+def alrs_arm(arm: str, lr: float, seed: int, steps: int) -> dict:
+    """One run of the ALRS study: arm is uniform, alrs (ww fit), alrs_hill (hill_median fit) or alrs_unpinned
+    (embedding and head allocated like every other matrix). Cached in out/experiments/ by arm, LR and seed."""
+    from minimal_asymloop import alrs
+
+    cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
+    on = arm != "uniform"
+    extra = dict(alrs=on, **ALRS_SCHEDULE, alrs_fit="hill_median" if arm == "alrs_hill" else "ww") if on else dict(alrs=False)
+    out_dir = RUNS / f"alrs_study-{arm}-lr{lr:.3g}-s{seed}"
+    train_cfg = TrainConfig(**{**ALRS_TRAIN, **extra, "lr": lr, "max_steps": steps, "eval_interval": steps, "seed": seed,
+                               "out_dir": str(out_dir)})
+    hook = None
+    if arm == "alrs_unpinned":  # the trainer's hook pins embedding and head; this one does not (the out_dir name says so)
+        t = train_cfg
+        hook = alrs.ALRS(steps, t.alrs_fit, t.alrs_lo, t.alrs_hi, t.alrs_every, t.alrs_phase, t.alrs_ramp, top=())
+    result, model = train_lm(cfg, train_cfg, hook, reuse=True)
+    history = result["history"]
+    records = alrs_records(history)
+    final = records[-1]["multiplier"] if records else {}
+    sizes = {n: w.numel() for n, w in alrs.tuned_matrices(model).items()}
+    row = dict(arm=arm, lr=lr, seed=seed, val_loss=result["val_loss"], seconds=result["seconds"],
+               train_loss=[(r["step"], r["loss"]) for r in history if "loss" in r and r["step"] % 5 == 0],
+               **describe_budget(cfg, train_cfg), **alrs.stable_rank_summary(model))
+    if final:
+        row.update(final_multiplier=final, group_multiplier=alrs.group_means(final), ratios=alrs.decoder_encoder_ratios(final),
+                   mean_multiplier=float(np.mean(list(final.values()))),
+                   param_weighted_multiplier=float(sum(final[n] * sizes[n] for n in final) / sum(sizes[n] for n in final)),
+                   alrs_records=records, alloc_seconds=sum(r.get("alrs_seconds", 0.0) for r in history))
+    print(f"  {arm:>14} lr {lr:.3g} seed {seed}: val loss {row['val_loss']:.4f}  ({row['seconds']:.0f}s)", flush=True)
+    return row
+
+
+def best_lr(runs: list[dict], arm: str, seeds, grid=None) -> float | None:
+    """The arm's base LR with the lowest mean val loss over `seeds`, among the LRs of `grid` (None: any) that have every seed."""
+    by_lr: dict[float, dict] = {}
+    for r in runs:
+        if r["arm"] == arm and (grid is None or r["lr"] in grid):
+            by_lr.setdefault(r["lr"], {})[r["seed"]] = r["val_loss"]
+    full = {lr: np.mean([v[s] for s in seeds]) for lr, v in by_lr.items() if all(s in v for s in seeds)}
+    return min(full, key=full.get) if full else None
 
 
 def alrs_experiment(quick=False):
-    """AsymLoop K=3 with ALRS (uniform-LR twin: matched_depth's asymloop_k3), per seed; alphas and spectra."""
-    from minimal_asymloop import alrs
+    """AsymLoop K=3, uniform LR vs ALRS: base-LR sweep for each, then controls at the best LRs, >= 3 seeds each."""
 
     steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
-    batch = probe_batch()
-    cfg = lm_config("asymloop", n_iter=3)
-    runs = []
+    lrs = {arm: grid[1:2] if quick else grid for arm, grid in ALRS_LRS.items()}
+    runs: list[dict] = []
+    state: dict = {}  # best LRs, spectra, the scaled-uniform LR: filled in as the queue gets there
+    t_start = time.time()
+
+    def setting():
+        cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
+        budget = describe_budget(cfg, TrainConfig(**{**ALRS_TRAIN, "max_steps": steps}))
+        return dict(model=dict(ALRS_LM, arch="asymloop", n_iter=3, n_enc=cfg.n_enc),
+                    train={k: v for k, v in ALRS_TRAIN.items() if k != "data_cache"}, steps=steps, seeds=list(seeds),
+                    schedule=ALRS_SCHEDULE, lr_grids=lrs, budget=dict(budget, steps=steps),
+                    regenerate=f"python -m minimal_asymloop.experiments alrs --seeds {' '.join(map(str, seeds))} --steps {steps}")
+
+    def result(partial=False):
+        best = {arm: best_lr(runs, arm, seeds, lrs[arm]) for arm in ("uniform", "alrs")}  # the sweep's LRs with every seed
+        return dict(setting=setting(), best_lr=best, **state, runs=runs, partial=partial, seconds=time.time() - t_start)
+
+    def run(arm, lr, seed):
+        if not any((r["arm"], r["lr"], r["seed"]) == (arm, lr, seed) for r in runs):
+            runs.append(alrs_arm(arm, lr, seed, steps))
+            if not quick:  # a partial result after every run, so finished groups can be used before the rest is done
+                write_json(RESULTS / "alrs.json", result(partial=True))
+
+    # The order (ours) puts first what a cut-short queue most needs: (a) every LR of both grids at the first seed (plus
+    # one LR beyond an edge that wins), then the other seeds at each arm's best LR of the first seed, so the arms can be
+    # compared at their own best over every seed; (b) the uniform LR scaled by ALRS's mean multiplier, then embedding/head
+    # unpinned; (a) every LR at every seed, nearest each arm's best first; (b) the hill_median fit.
+    first = seeds[:1]
+    for arm in ("uniform", "alrs"):
+        for lr in lrs[arm]:
+            run(arm, lr, first[0])
+    for arm in ("uniform", "alrs"):  # a best LR on the grid's edge: one more LR beyond it
+        best, grid = best_lr(runs, arm, first, lrs[arm]), sorted(lrs[arm])
+        if not quick and best in (grid[0], grid[-1]):
+            lrs[arm] = tuple(sorted((*grid, best / 2 if best == grid[0] else best * 2)))
+            run(arm, lrs[arm][0] if best == grid[0] else lrs[arm][-1], first[0])
+    best0 = {arm: best_lr(runs, arm, first, lrs[arm]) for arm in ("uniform", "alrs")}
+    state["best_lr_first_seed"] = best0
+    for seed in seeds[1:]:
+        for arm in ("uniform", "alrs"):
+            run(arm, best0[arm], seed)
+    state["spectra"] = alrs_spectra(best0, first[0])
+    mean_mult = float(np.mean([r["mean_multiplier"] for r in runs if r["arm"] == "alrs" and r["lr"] == best0["alrs"]]))
+    state.update(mean_multiplier=mean_mult, scaled_uniform_lr=float(f"{best0['alrs'] * mean_mult:.3g}"))
     for seed in seeds:
-        hook = alrs.ALRS(steps, fit="ww", **ALRS_SCHEDULE)
-        row = run_lm("asymloop_k3_alrs", cfg, seed, steps, batch, lr_hook=hook)
-        row["alrs_records"] = alrs_records(read_metrics(RUNS / f"asymloop_k3_alrs-s{seed}"))
-        runs.append(row)
-    # alphas and spectra at init and after training with ALRS (seed 0)
-    trained, _, _ = load_model(RUNS / f"asymloop_k3_alrs-s{seeds[0]}")
-    torch.manual_seed(seeds[0])
-    init = LoopedLM(cfg)
-    spectra = {}
-    for tag, model in (("init", init), ("trained", trained)):
+        run("uniform", state["scaled_uniform_lr"], seed)
+    for seed in seeds:
+        run("alrs_unpinned", best0["alrs"], seed)
+    rest = sorted(((arm, lr) for arm in ("uniform", "alrs") for lr in lrs[arm]), key=lambda a: abs(np.log(a[1] / best0[a[0]])))
+    for arm, lr in rest:  # both arms' LRs, nearest to each arm's best first
+        for seed in seeds:
+            run(arm, lr, seed)
+    for seed in seeds:
+        run("alrs_hill", best0["alrs"], seed)
+    return result()
+
+
+def alrs_spectra(best: dict, seed: int) -> dict:
+    """Alphas (both fits), two matrices' eigenvalues and the stable rank at init and after training at each arm's best LR."""
+    from minimal_asymloop import alrs
+
+    cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
+    torch.manual_seed(seed)
+    models = {"init": LoopedLM(cfg)}
+    for arm in ("uniform", "alrs"):
+        models[arm], _, _ = load_model(RUNS / f"alrs_study-{arm}-lr{best[arm]:.3g}-s{seed}")
+    out = {}
+    for tag, model in models.items():
         mats = alrs.tuned_matrices(model)
-        spectra[tag] = dict(alpha_ww={n: alrs.ww_alpha(w) for n, w in mats.items()},
-                            alpha_hill={n: alrs.hill_median_alpha(alrs.eigenvalues(w)) for n, w in mats.items()},
-                            eigenvalues={n: alrs.eigenvalues(mats[n]).tolist() for n in SPECTRA})
-    return dict(setting=dict(model=LM, steps=steps, seeds=list(seeds), schedule=ALRS_SCHEDULE), runs=runs, spectra=spectra)
+        out[tag] = dict(alpha_ww={n: alrs.ww_alpha(w) for n, w in mats.items()},
+                        alpha_hill={n: alrs.hill_median_alpha(alrs.eigenvalues(w)) for n, w in mats.items()},
+                        eigenvalues={n: alrs.eigenvalues(mats[n]).tolist() for n in SPECTRA},
+                        stable_rank=alrs.stable_rank_summary(model), best_lr=best.get(tag))
+    return out
+
+
+def write_json(path: Path, obj: dict):
+    """Write JSON atomically (a reader never sees half a file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=float))
+    os.replace(tmp, path)
 
 
 EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_task": chain_task, "alrs": alrs_experiment}
