@@ -311,7 +311,8 @@ def main(argv=None):
         result = EXPERIMENTS[name](quick=args.quick)
         result.update(experiment=name, command=f"python -m minimal_asymloop.experiments {name}" + (" --quick" if args.quick else "")
                       + (f" --threads {args.threads}" if args.threads else ""),
-                      torch=torch.__version__, threads=torch.get_num_threads(), seconds=time.time() - t0)
+                      torch=torch.__version__, threads=torch.get_num_threads(), seconds=time.time() - t0,
+                      cached_only=CACHED_ONLY)  # True: `seconds` is the probing time; each run's `seconds` is its training
         path = out / f"{name}{'_quick' if args.quick else ''}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1, default=float))
