@@ -106,7 +106,7 @@ def probes(model, idx, targets) -> dict:
     if cfg.arch != "dense":
         out["lens_loss"] = logit_lens(model, idx, targets, MAX_TEST_K)  # index k-1: head on z_k
         out["state"] = state_norms(model, idx, MAX_TEST_K)  # norm: k = 0..8; step, relative: k = 1..8
-    if cfg.arch == "asymloop" and cfg.context == "global_kv":
+    if cfg.arch == "asymloop" and cfg.context == "global_kv" and cfg.local_kv:
         out["global_share"] = global_attention_share(model, idx, cfg.n_iter).tolist()  # (K, D)
     return out
 
@@ -180,14 +180,14 @@ CONTEXTS = {"no_global": dict(context="none"),  # without Global KV: Local KV on
 def global_kv(quick=False):
     """Context access at K = 1, 3, 5 (AsymLoop, uniform LR): without Global KV, additive injection, without
     Local KV; the Global KV twins are matched_depth's asymloop_k1/k3/k5 runs (same configs and seeds, reused
-    from out/experiments/). Cheap and most needed first: no_global at K=3 (the Global KV gain G(3); G(1) needs no
-    run of its own, since AsymLoop K=1 without Global KV is Dense, see tests/test_model.py), additive and no_local
-    at K=3 (the paper's K=3 table), then K=5, then K=1."""
+    from out/experiments/). Cheap and most needed first: no_global at K=3 (the Global KV gain G(3)), additive and
+    no_local at K=3 (the paper's K=3 table), then K=5, then K=1. At K=1 no_global and additive need no runs of their
+    own: with E + D = L, both are Dense (same blocks, same init from the same seed; see tests/test_model.py)."""
     steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
     arm = lambda variant, k: {f"asymloop_k{k}_{variant}": lm_config("asymloop", n_iter=k, **CONTEXTS[variant])}
     twins = {f"asymloop_k{k}": lm_config("asymloop", n_iter=k) for k in (1, 3, 5)}
     groups = [twins, arm("no_global", 3), {**arm("additive", 3), **arm("no_local", 3)}, arm("no_global", 5),
-              {**arm("additive", 5), **arm("no_local", 5)}, {**arm("no_global", 1), **arm("additive", 1), **arm("no_local", 1)}]
+              {**arm("additive", 5), **arm("no_local", 5)}, arm("no_local", 1)]
     return dict(setting=lm_setting(steps, seeds), **run_arms(groups, seeds, steps))
 
 
