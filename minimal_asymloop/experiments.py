@@ -12,9 +12,9 @@ Every arm runs at seeds 0, 1, 2, compared within a seed (same init seed, same da
 
 Finished runs are cached in out/experiments/ (one folder per arm and seed) and reused, so an interrupted command
 continues where it stopped; --cached-only writes the JSON from the finished runs alone and lists the missing arms.
-Cost: one run takes 200 steps at the step time of its architecture. Measured with 1 thread on the shared
-2-core machine under heavy load (load average 10-17): Dense 1.2-1.3 s/step, AsymLoop K=1 1.5 s/step, i.e. about
-4-5 minutes per run; on a quiet core the same steps take about a third of that.
+Cost, measured with 1 thread on the shared 2-core machine (load average 3-17): 1-5 minutes per run, depending on
+the architecture and the load; matched_depth's 18 runs took 63 minutes of training, and global_kv adds 12 runs of
+its own (its Global KV twins are matched_depth's runs). chain_task is the earlier one-seed setting (not rerun).
 """
 
 import argparse
