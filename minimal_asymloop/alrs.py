@@ -196,7 +196,7 @@ class ALRS:
     per_matrix = True  # tells the trainer to give every matrix its own optimizer group
 
     def __init__(self, total_steps: int, fit="ww", lo=1.0, hi=5.0, every=100, phase=0.2, ramp=50,
-                 first_step=0):
+                 first_step=0, top=TOP_NAMES):
         if fit not in FITS:
             raise ValueError(f"unknown ALRS fit {fit!r}; choose one of {', '.join(FITS)}")
         if every < 1 or ramp < 0 or not 0 <= phase <= 1 or total_steps < 1:
@@ -205,6 +205,7 @@ class ALRS:
         multipliers_from_alphas({}, lo, hi)  # validates the range
         self.total_steps, self.fit, self.lo, self.hi = total_steps, fit, lo, hi
         self.every, self.phase, self.ramp_len, self.first_step = every, phase, ramp, first_step
+        self.top = tuple(top)  # pinned at `hi`, outside the min/max; () allocates embedding and head like the rest
         self.alphas: dict[str, float] = {}
         self.start: dict[str, float] = {}  # multipliers when the current ramp began
         self.target: dict[str, float] = {}
@@ -237,7 +238,7 @@ class ALRS:
             buf = torch.tensor([alphas[n] for n in names] if alphas else [0.0] * len(names), dtype=torch.float64, device=device)
             dist.broadcast(buf, src=0)
             alphas = dict(zip(names, buf.tolist()))
-        self.retarget(step, multipliers_from_alphas(alphas or {}, self.lo, self.hi, top=TOP_NAMES))
+        self.retarget(step, multipliers_from_alphas(alphas or {}, self.lo, self.hi, top=self.top))
         self.alphas, self.last_alloc = alphas or {}, step
         return dict(alrs_step=step, alrs_fit=self.fit, alrs_seconds=round(time.perf_counter() - t0, 3), alrs_alpha=self.alphas,
                     alrs_multiplier=self.target, alrs_group_mean=group_means(self.target), alrs_group_alpha=group_means(self.alphas))

@@ -4,16 +4,17 @@
     python -m minimal_asymloop.experiments matched_depth  # one of: matched_depth, global_kv, chain_task, alrs
     python -m minimal_asymloop.experiments --list
 
-Results go to notebooks/results/<name>.json, which the notebooks plot; each notebook also runs a small
-live version of the same code. All LM runs share one tiny setting (ours, sized for a CPU): the stdlib
-corpus with a 2048-token BPE, d_model 128, L = 4 (E = D = 2), seq 64, batch 16, QKNorm on in EVERY
-model (as in the paper's context-access study), so architectures differ only in what the paper varies.
-Runs are compared within a seed (same init seed, same data order) and the spread over seeds is kept.
+Results go to notebooks/results/<name>.json, which the notebooks plot. All LM runs share one tiny setting
+(ours, sized for a CPU): the stdlib corpus with a 1024-token BPE, d_model 64, L = 4 (E = D = 2), 4 heads,
+d_ff 256, seq 128, batch 32, 200 steps (0.82M tokens, about 2 tokens per parameter), uniform LR, QKNorm on in
+EVERY model (as in the paper's context-access study), so architectures differ only in what the paper varies.
+Every arm runs at seeds 0, 1, 2, compared within a seed (same init seed, same data order).
 
-Cost, measured on the shared 2-core development machine under heavy load (each run got about a quarter of a
-core): matched_depth 50 min, global_kv 27 min (its K=1 run duplicates Dense exactly), alrs 22 min, chain_task
-36 min of training; several can run in parallel processes. Finished runs are cached in out/experiments/ and
-reused, so an interrupted command continues where it stopped.
+Finished runs are cached in out/experiments/ (one folder per arm and seed) and reused, so an interrupted command
+continues where it stopped; --cached-only writes the JSON from the finished runs alone and lists the missing arms.
+Cost, measured with 1 thread on the shared 2-core machine (load average 3-17): 1-5 minutes per run, depending on
+the architecture and the load; matched_depth's 18 runs took 63 minutes of training, and global_kv adds 12 runs of
+its own (its Global KV twins are matched_depth's runs). chain_task is the earlier one-seed setting (not rerun).
 """
 
 import argparse
@@ -30,7 +31,7 @@ import torch
 from minimal_asymloop.checkpoint import load_model, read_meta
 from minimal_asymloop.data import eval_windows, prepare
 from minimal_asymloop.model import LoopedLM, ModelConfig, count_params
-from minimal_asymloop.probes import global_attention_share, logit_lens, state_change
+from minimal_asymloop.probes import global_attention_share, logit_lens, state_norms
 from minimal_asymloop.tasks import ChainTask, accuracy_by_hops, train_on_task
 from minimal_asymloop.trainer import TrainConfig, read_metrics, train
 
@@ -40,12 +41,14 @@ DATA_CACHE = str(REPO / "data_cache")  # one cache shared by the notebooks, what
 RUNS = REPO / "out" / "experiments"
 
 # (ours) the tiny LM setting of every experiment
-LM = dict(n_layer=4, d_model=128, n_head=4, d_ff=384, vocab_size=2048, max_seq_len=64, qk_norm=True)
-TRAIN = dict(data="stdlib", tokenizer="bpe", bpe_vocab=2048, data_cache=DATA_CACHE, seq_len=64, global_batch=16,
+# (ours) sized so that 200 steps of 32 x 128 tokens give >= 2 tokens per parameter (0.41M params, 0.82M tokens)
+LM = dict(n_layer=4, d_model=64, n_head=4, d_ff=256, vocab_size=1024, max_seq_len=128, qk_norm=True)
+TRAIN = dict(data="stdlib", tokenizer="bpe", bpe_vocab=1024, data_cache=DATA_CACHE, seq_len=128, global_batch=32,
              lr=3e-3, eval_batches=16, quiet=True, device="cpu", dtype="float32",
              alrs=False)  # uniform LR unless an experiment passes ALRS explicitly (the trainer turns it on for asymloop)
 STEPS = 200
-SEEDS = (0,)  # (ours) one seed fits the CPU budget; --seeds 0 1 2 measures the seed spread
+SEEDS = (0, 1, 2)  # every arm at >= 3 seeds, compared within seed (same init seed, same data order)
+CACHED_ONLY = False  # --cached-only: build the JSON from finished runs only, listing the arms not yet trained
 MAX_TEST_K = 8  # test-time depth: evaluate up to this K
 
 
@@ -102,47 +105,90 @@ def probes(model, idx, targets) -> dict:
     out = {}
     if cfg.arch != "dense":
         out["lens_loss"] = logit_lens(model, idx, targets, MAX_TEST_K)  # index k-1: head on z_k
-        out["state_change"] = state_change(model, idx, MAX_TEST_K)
-    if cfg.arch == "asymloop" and cfg.context == "global_kv":
+        out["state"] = state_norms(model, idx, MAX_TEST_K)  # norm: k = 0..8; step, relative: k = 1..8
+    if cfg.arch == "asymloop" and cfg.context == "global_kv" and cfg.local_kv:
         out["global_share"] = global_attention_share(model, idx, cfg.n_iter).tolist()  # (K, D)
     return out
 
 
-def run_lm(name: str, model_cfg: ModelConfig, seed: int, steps: int, batch, lr_hook=None) -> dict:
+def run_lm(name: str, model_cfg: ModelConfig, seed: int, steps: int, batch, lr_hook=None) -> dict | None:
+    """Train (or reuse) one run and probe it; None when CACHED_ONLY and the run has not finished yet."""
     out_dir = RUNS / f"{name}-s{seed}"
     train_cfg = train_config(steps, seed, out_dir)
+    if CACHED_ONLY and not _finished(model_cfg, train_cfg):
+        print(f"  {name:>18} seed {seed}: not trained yet (--cached-only)", flush=True)
+        return None
     t0 = time.time()
     result, model = train_lm(model_cfg, train_cfg, lr_hook, reuse=True)
     row = dict(name=name, seed=seed, arch=model_cfg.arch, n_iter=model_cfg.n_iter, context=model_cfg.context,
-               effective_depth=model_cfg.effective_depth, val_loss=result["val_loss"], seconds=result.get("seconds", time.time() - t0),
+               local_kv=model_cfg.local_kv, effective_depth=model_cfg.effective_depth, val_loss=result["val_loss"],
+               seconds=result.get("seconds", time.time() - t0),
                train_loss=[(r["step"], r["loss"]) for r in result["history"] if "loss" in r],
                **describe_budget(model_cfg, train_cfg), **probes(model, *batch))
     print(f"  {name:>18} seed {seed}: val loss {row['val_loss']:.4f}  ({row['seconds']:.0f}s)", flush=True)
     return row
 
 
+def _finished(model_cfg: ModelConfig, train_cfg: TrainConfig) -> bool:
+    if not (Path(train_cfg.out_dir) / "latest").exists():
+        return False
+    meta = read_meta(train_cfg.out_dir)
+    return (meta["step"] == train_cfg.total_steps() and _same(meta["model_config"], model_cfg.to_dict())
+            and _same(meta["train_config"], asdict(train_cfg)))
+
+
+def run_arms(models: dict, seeds, steps: int) -> dict:
+    """Every (arm, seed) in the order given (seed-major within each group); the runs and the arms still missing."""
+    batch = probe_batch()
+    runs, missing = [], []
+    for group in models:  # groups run one after another, so the cheap arms finish first
+        for seed in seeds:
+            for name, cfg in group.items():
+                row = run_lm(name, cfg, seed, steps, batch)
+                (runs.append(row) if row else missing.append(dict(name=name, seed=seed)))
+    return dict(runs=runs, missing=missing)
+
+
+def lm_setting(steps: int, seeds) -> dict:
+    cfg = lm_config("dense")
+    return dict(model=LM, train={k: v for k, v in TRAIN.items() if k != "data_cache"}, steps=steps, seeds=list(seeds),
+                budget=describe_budget(cfg, train_config(steps, 0, RUNS)))  # dense's params; each run records its own
+
+
 # ----------------------------------------------------------------------------- the experiments
 
 
 def matched_depth(quick=False):
-    """Dense vs AsymLoop K=1 (depth 4) and Full Loop K=2 vs AsymLoop K=3 (depth 8), per seed."""
+    """Matched effective depth, uniform LR, QKNorm on everywhere: dense L=4 vs AsymLoop K=1 (depth 4),
+    Full Loop K=2 vs AsymLoop K=3 (depth 8), Full Loop K=3 vs AsymLoop K=5 (depth 12), per seed."""
     steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
-    batch = probe_batch()
-    models = {"dense": lm_config("dense"), "asymloop_k1": lm_config("asymloop", n_iter=1),
-              "full_loop_k2": lm_config("full_loop", n_iter=2), "asymloop_k3": lm_config("asymloop", n_iter=3)}
-    runs = [run_lm(name, cfg, seed, steps, batch) for seed in seeds for name, cfg in models.items()]
-    return dict(setting=dict(model=LM, train={k: v for k, v in TRAIN.items() if k != "data_cache"}, steps=steps, seeds=list(seeds)),
-                runs=runs)
+    return dict(setting=lm_setting(steps, seeds), **run_arms(MATCHED_DEPTH, seeds, steps))
+
+
+# the matched pairs, one group per depth, cheapest first (each group runs for every seed before the next)
+MATCHED_DEPTH = [{"dense": lm_config("dense"), "asymloop_k1": lm_config("asymloop", n_iter=1)},
+                 {"full_loop_k2": lm_config("full_loop", n_iter=2), "asymloop_k3": lm_config("asymloop", n_iter=3)},
+                 {"full_loop_k3": lm_config("full_loop", n_iter=3), "asymloop_k5": lm_config("asymloop", n_iter=5)}]
+
+
+# context access variants (the paper's Section 5 ablations); Global KV itself is matched_depth's asymloop_k{K}
+CONTEXTS = {"no_global": dict(context="none"),  # without Global KV: Local KV only, z_0 = H
+            "additive": dict(context="additive"),  # no Global KV; z_0 = 0, z_k = Dec(z_{k-1} + H)
+            "no_local": dict(local_kv=False)}  # without Local KV: decoder queries attend to Global KV only
 
 
 def global_kv(quick=False):
-    """AsymLoop without Global KV (context='none') at K=1 and K=3, per seed; the with-Global-KV twins are
-    matched_depth's asymloop_k1/k3 runs (same configs and seeds), so run matched_depth first."""
+    """Context access at K = 1, 3, 5 (AsymLoop, uniform LR): without Global KV, additive injection, without
+    Local KV; the Global KV twins are matched_depth's asymloop_k1/k3/k5 runs (same configs and seeds, reused
+    from out/experiments/). Cheap and most needed first: no_global at K=3 (the Global KV gain G(3)), additive and
+    no_local at K=3 (the paper's K=3 table), then K=5, then K=1. At K=1 no_global and additive need no runs of their
+    own: with E + D = L, both are Dense (same blocks, same init from the same seed; see tests/test_model.py)."""
     steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
-    batch = probe_batch()
-    runs = [run_lm(f"asymloop_k{k}_no_global", lm_config("asymloop", n_iter=k, context="none"), seed, steps, batch)
-            for seed in seeds for k in (1, 3)]
-    return dict(setting=dict(model=LM, steps=steps, seeds=list(seeds)), runs=runs)
+    arm = lambda variant, k: {f"asymloop_k{k}_{variant}": lm_config("asymloop", n_iter=k, **CONTEXTS[variant])}
+    twins = {f"asymloop_k{k}": lm_config("asymloop", n_iter=k) for k in (1, 3, 5)}
+    groups = [twins, arm("no_global", 3), {**arm("additive", 3), **arm("no_local", 3)}, arm("no_global", 5),
+              {**arm("additive", 5), **arm("no_local", 5)}, arm("no_local", 1)]
+    return dict(setting=lm_setting(steps, seeds), **run_arms(groups, seeds, steps))
 
 
 def chain_task(quick=False):
@@ -188,59 +234,171 @@ CHAIN_STEPS = 500
 CHAIN_BATCH = 64
 
 
-# (ours) the paper's schedule (allocate every 100 steps, 50-step ramps, freeze at 20%) scaled to a 200-step run
-ALRS_SCHEDULE = dict(every=20, ramp=10, phase=0.2)
+# ----------------------------------------------------------------------------- ALRS, fairly (base-LR sweep + controls)
+
+# (ours) the LM setting of the ALRS study, sized so that 3 seeds x (2 arms x 3 base LRs + 3 controls) runs of >= 2 tokens
+# per parameter fit about an hour of one shared CPU core: AsymLoop K=3, d_model 64 (so every matrix has >= 64 eigenvalues,
+# enough to fit), L = 4 (E = D = 2), d_ff 128, a 512-token BPE, batch 16 x seq 128, QKNorm on; 246,560 parameters
+ALRS_LM = dict(n_layer=4, d_model=64, n_head=4, d_ff=128, vocab_size=512, max_seq_len=128, qk_norm=True)
+ALRS_TRAIN = dict(data="stdlib", tokenizer="bpe", bpe_vocab=512, data_cache=DATA_CACHE, seq_len=128, global_batch=16,
+                  eval_batches=16, quiet=True, device="cpu", dtype="float32")
+# (ours) the paper's schedule (allocate every 100 steps, 50-step ramps, freeze after 20% of training) scaled to a
+# 250-step run: allocations at steps 0, 10, ..., 50, each reached by a 5-step ramp, then frozen
+ALRS_SCHEDULE = dict(alrs_every=10, alrs_ramp=5, alrs_phase=0.2)
+# base-LR grids (ours): ALRS multiplies the base LR by 1-5, so its grid sits one octave lower; an arm whose best LR
+# lands on the edge of its grid gets one more LR beyond that edge before the controls run
+ALRS_LRS = {"uniform": (2.5e-3, 5e-3, 1e-2), "alrs": (1.25e-3, 2.5e-3, 5e-3)}
 SPECTRA = ("decoder.0.mlp.up.weight", "encoder.0.attn.wq.weight")  # matrices whose eigenvalues are stored
 
 
 def alrs_records(rows: list[dict]) -> list[dict]:
-    """The allocations logged in a run's metrics, as {step, alpha, multiplier} (either logging key style)."""
-    out = []
-    for r in rows:
-        if "alrs_multiplier" in r:
-            out.append(dict(step=r["alrs_step"], alpha=r["alrs_alpha"], multiplier=r["alrs_multiplier"]))
-        elif r.get("kind") == "alrs":
-            out.append(dict(step=r["step"], alpha=r["alpha"], multiplier=r["multiplier"]))
-    return out
+    """The allocations logged in a run's metrics, as {step, alpha, multiplier}."""
+    return [dict(step=r["alrs_step"], alpha=r["alrs_alpha"], multiplier=r["alrs_multiplier"]) for r in rows if "alrs_multiplier" in r]
+
+
+def alrs_arm(arm: str, lr: float, seed: int, steps: int) -> dict:
+    """One run of the ALRS study: arm is uniform, alrs (ww fit), alrs_hill (hill_median fit) or alrs_unpinned
+    (embedding and head allocated like every other matrix). Cached in out/experiments/ by arm, LR and seed."""
+    from minimal_asymloop import alrs
+
+    cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
+    on = arm != "uniform"
+    extra = dict(alrs=on, **ALRS_SCHEDULE, alrs_fit="hill_median" if arm == "alrs_hill" else "ww") if on else dict(alrs=False)
+    out_dir = RUNS / f"alrs_study-{arm}-lr{lr:.3g}-s{seed}"
+    train_cfg = TrainConfig(**{**ALRS_TRAIN, **extra, "lr": lr, "max_steps": steps, "eval_interval": steps, "seed": seed,
+                               "out_dir": str(out_dir)})
+    hook = None
+    if arm == "alrs_unpinned":  # the trainer's hook pins embedding and head; this one does not (the out_dir name says so)
+        t = train_cfg
+        hook = alrs.ALRS(steps, t.alrs_fit, t.alrs_lo, t.alrs_hi, t.alrs_every, t.alrs_phase, t.alrs_ramp, top=())
+    result, model = train_lm(cfg, train_cfg, hook, reuse=True)
+    history = result["history"]
+    records = alrs_records(history)
+    final = records[-1]["multiplier"] if records else {}
+    sizes = {n: w.numel() for n, w in alrs.tuned_matrices(model).items()}
+    row = dict(arm=arm, lr=lr, seed=seed, val_loss=result["val_loss"], seconds=result["seconds"],
+               train_loss=[(r["step"], r["loss"]) for r in history if "loss" in r and r["step"] % 5 == 0],
+               **describe_budget(cfg, train_cfg), **alrs.stable_rank_summary(model))
+    if final:
+        row.update(final_multiplier=final, group_multiplier=alrs.group_means(final), ratios=alrs.decoder_encoder_ratios(final),
+                   mean_multiplier=float(np.mean(list(final.values()))),
+                   param_weighted_multiplier=float(sum(final[n] * sizes[n] for n in final) / sum(sizes[n] for n in final)),
+                   alrs_records=records, alloc_seconds=sum(r.get("alrs_seconds", 0.0) for r in history))
+    print(f"  {arm:>14} lr {lr:.3g} seed {seed}: val loss {row['val_loss']:.4f}  ({row['seconds']:.0f}s)", flush=True)
+    return row
+
+
+def best_lr(runs: list[dict], arm: str, seeds, grid=None) -> float | None:
+    """The arm's base LR with the lowest mean val loss over `seeds`, among the LRs of `grid` (None: any) that have every seed."""
+    by_lr: dict[float, dict] = {}
+    for r in runs:
+        if r["arm"] == arm and (grid is None or r["lr"] in grid):
+            by_lr.setdefault(r["lr"], {})[r["seed"]] = r["val_loss"]
+    full = {lr: np.mean([v[s] for s in seeds]) for lr, v in by_lr.items() if all(s in v for s in seeds)}
+    return min(full, key=full.get) if full else None
 
 
 def alrs_experiment(quick=False):
-    """AsymLoop K=3 with ALRS (uniform-LR twin: matched_depth's asymloop_k3), per seed; alphas and spectra."""
-    from minimal_asymloop import alrs
+    """AsymLoop K=3, uniform LR vs ALRS: base-LR sweep for each, then controls at the best LRs, >= 3 seeds each."""
 
     steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
-    batch = probe_batch()
-    cfg = lm_config("asymloop", n_iter=3)
-    runs = []
+    lrs = {arm: grid[1:2] if quick else grid for arm, grid in ALRS_LRS.items()}
+    runs: list[dict] = []
+    state: dict = {}  # best LRs, spectra, the scaled-uniform LR: filled in as the queue gets there
+    t_start = time.time()
+
+    def setting():
+        cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
+        budget = describe_budget(cfg, TrainConfig(**{**ALRS_TRAIN, "max_steps": steps}))
+        return dict(model=dict(ALRS_LM, arch="asymloop", n_iter=3, n_enc=cfg.n_enc),
+                    train={k: v for k, v in ALRS_TRAIN.items() if k != "data_cache"}, steps=steps, seeds=list(seeds),
+                    schedule=ALRS_SCHEDULE, lr_grids=lrs, budget=dict(budget, steps=steps),
+                    regenerate=f"python -m minimal_asymloop.experiments alrs --seeds {' '.join(map(str, seeds))} --steps {steps}")
+
+    def result(partial=False):
+        best = {arm: best_lr(runs, arm, seeds, lrs[arm]) for arm in ("uniform", "alrs")}  # the sweep's LRs with every seed
+        return dict(setting=setting(), best_lr=best, **state, runs=runs, partial=partial, seconds=time.time() - t_start)
+
+    def run(arm, lr, seed):
+        if not any((r["arm"], r["lr"], r["seed"]) == (arm, lr, seed) for r in runs):
+            runs.append(alrs_arm(arm, lr, seed, steps))
+            if not quick:  # a partial result after every run, so finished groups can be used before the rest is done
+                write_json(RESULTS / "alrs.json", result(partial=True))
+
+    # The order (ours) puts first what a cut-short queue most needs: (a) every LR of both grids at the first seed (plus
+    # one LR beyond an edge that wins), then the other seeds at each arm's best LR of the first seed, so the arms can be
+    # compared at their own best over every seed; (b) the uniform LR scaled by ALRS's mean multiplier, then embedding/head
+    # unpinned; (a) every LR at every seed, nearest each arm's best first; (b) the hill_median fit.
+    first = seeds[:1]
+    for arm in ("uniform", "alrs"):
+        for lr in lrs[arm]:
+            run(arm, lr, first[0])
+    for arm in ("uniform", "alrs"):  # a best LR on the grid's edge: one more LR beyond it
+        best, grid = best_lr(runs, arm, first, lrs[arm]), sorted(lrs[arm])
+        if not quick and best in (grid[0], grid[-1]):
+            lrs[arm] = tuple(sorted((*grid, best / 2 if best == grid[0] else best * 2)))
+            run(arm, lrs[arm][0] if best == grid[0] else lrs[arm][-1], first[0])
+    best0 = {arm: best_lr(runs, arm, first, lrs[arm]) for arm in ("uniform", "alrs")}
+    state["best_lr_first_seed"] = best0
+    for seed in seeds[1:]:
+        for arm in ("uniform", "alrs"):
+            run(arm, best0[arm], seed)
+    state["spectra"] = alrs_spectra(best0, first[0])
+    mean_mult = float(np.mean([r["mean_multiplier"] for r in runs if r["arm"] == "alrs" and r["lr"] == best0["alrs"]]))
+    state.update(mean_multiplier=mean_mult, scaled_uniform_lr=float(f"{best0['alrs'] * mean_mult:.3g}"))
     for seed in seeds:
-        hook = alrs.ALRS(steps, fit="ww", **ALRS_SCHEDULE)
-        row = run_lm("asymloop_k3_alrs", cfg, seed, steps, batch, lr_hook=hook)
-        row["alrs_records"] = alrs_records(read_metrics(RUNS / f"asymloop_k3_alrs-s{seed}"))
-        runs.append(row)
-    # alphas and spectra at init and after training with ALRS (seed 0)
-    trained, _, _ = load_model(RUNS / f"asymloop_k3_alrs-s{seeds[0]}")
-    torch.manual_seed(seeds[0])
-    init = LoopedLM(cfg)
-    spectra = {}
-    for tag, model in (("init", init), ("trained", trained)):
+        run("uniform", state["scaled_uniform_lr"], seed)
+    for seed in seeds:
+        run("alrs_unpinned", best0["alrs"], seed)
+    rest = sorted(((arm, lr) for arm in ("uniform", "alrs") for lr in lrs[arm]), key=lambda a: abs(np.log(a[1] / best0[a[0]])))
+    for arm, lr in rest:  # both arms' LRs, nearest to each arm's best first
+        for seed in seeds:
+            run(arm, lr, seed)
+    for seed in seeds:
+        run("alrs_hill", best0["alrs"], seed)
+    return result()
+
+
+def alrs_spectra(best: dict, seed: int) -> dict:
+    """Alphas (both fits), two matrices' eigenvalues and the stable rank at init and after training at each arm's best LR."""
+    from minimal_asymloop import alrs
+
+    cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
+    torch.manual_seed(seed)
+    models = {"init": LoopedLM(cfg)}
+    for arm in ("uniform", "alrs"):
+        models[arm], _, _ = load_model(RUNS / f"alrs_study-{arm}-lr{best[arm]:.3g}-s{seed}")
+    out = {}
+    for tag, model in models.items():
         mats = alrs.tuned_matrices(model)
-        spectra[tag] = dict(alpha_ww={n: alrs.ww_alpha(w) for n, w in mats.items()},
-                            alpha_hill={n: alrs.hill_median_alpha(alrs.eigenvalues(w)) for n, w in mats.items()},
-                            eigenvalues={n: alrs.eigenvalues(mats[n]).tolist() for n in SPECTRA})
-    return dict(setting=dict(model=LM, steps=steps, seeds=list(seeds), schedule=ALRS_SCHEDULE), runs=runs, spectra=spectra)
+        out[tag] = dict(alpha_ww={n: alrs.ww_alpha(w) for n, w in mats.items()},
+                        alpha_hill={n: alrs.hill_median_alpha(alrs.eigenvalues(w)) for n, w in mats.items()},
+                        eigenvalues={n: alrs.eigenvalues(mats[n]).tolist() for n in SPECTRA},
+                        stable_rank=alrs.stable_rank_summary(model), best_lr=best.get(tag))
+    return out
+
+
+def write_json(path: Path, obj: dict):
+    """Write JSON atomically (a reader never sees half a file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=float))
+    os.replace(tmp, path)
 
 
 EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_task": chain_task, "alrs": alrs_experiment}
 
 
 def main(argv=None):
-    global SEEDS, STEPS
+    global SEEDS, STEPS, CACHED_ONLY
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", help=f"experiments to run: all or any of {', '.join(EXPERIMENTS)}")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
     p.add_argument("--quick", action="store_true", help="a few steps each, to check the pipeline (results NOT for the notebooks)")
     p.add_argument("--seeds", type=int, nargs="+", help=f"LM experiments: seeds to run (default {' '.join(map(str, SEEDS))})")
     p.add_argument("--steps", type=int, help=f"LM experiments: training steps per run (default {STEPS})")
+    p.add_argument("--cached-only", action="store_true", help="train nothing: write the JSON from the runs finished so far "
+                   "(out/experiments/), listing the missing arms under 'missing'")
+    p.add_argument("--threads", type=int, help="torch CPU threads (the committed results ran with 1, on a shared machine)")
     p.add_argument("--out", default=str(RESULTS), help="folder for the JSON results (default notebooks/results)")
     args = p.parse_args(argv)
     if args.list or not args.names:
@@ -251,15 +409,19 @@ def main(argv=None):
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         sys.exit(f"unknown experiment(s) {unknown}; choose all or any of {', '.join(EXPERIMENTS)}")
-    SEEDS, STEPS = tuple(args.seeds or SEEDS), args.steps or STEPS
+    SEEDS, STEPS, CACHED_ONLY = tuple(args.seeds or SEEDS), args.steps or STEPS, args.cached_only
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
         print(f"{name}:", flush=True)
         t0 = time.time()
         result = EXPERIMENTS[name](quick=args.quick)
-        result.update(experiment=name, command=f"python -m minimal_asymloop.experiments {name}" + (" --quick" if args.quick else ""),
-                      torch=torch.__version__, threads=torch.get_num_threads(), seconds=time.time() - t0)
+        result.update(experiment=name, command=f"python -m minimal_asymloop.experiments {name}" + (" --quick" if args.quick else "")
+                      + (f" --threads {args.threads}" if args.threads else ""),
+                      torch=torch.__version__, threads=torch.get_num_threads(), seconds=time.time() - t0,
+                      cached_only=CACHED_ONLY)  # True: `seconds` is the probing time; each run's `seconds` is its training
         path = out / f"{name}{'_quick' if args.quick else ''}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1, default=float))

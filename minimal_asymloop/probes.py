@@ -1,7 +1,8 @@
 """Probes into a trained LoopedLM for the notebooks and experiments (read-only, no model changes).
 
     logit_lens(model, idx, targets, n_iter)      # loss when the head reads z_k, k = 1..K
-    state_change(model, idx, n_iter)             # ||z_k - z_{k-1}|| / ||z_k|| per iteration
+    state_norms(model, idx, n_iter)              # ||z_k|| and ||z_k - z_{k-1}|| per iteration (and their ratio)
+    state_change(model, idx, n_iter)             # the ratio ||z_k - z_{k-1}|| / ||z_k|| alone
     global_attention_share(model, idx, n_iter)   # (K, D) attention mass on Global KV per iteration, layer
 """
 
@@ -27,11 +28,16 @@ def logit_lens(model, idx, targets, n_iter: int | None = None) -> list[float]:
 
 
 @torch.no_grad()
-def state_change(model, idx, n_iter: int | None = None) -> list[float]:
-    """Relative change ||z_k - z_{k-1}|| / ||z_k|| for k = 1..K (z_0 is the decoder input), mean over tokens."""
+def state_norms(model, idx, n_iter: int | None = None) -> dict[str, list[float]]:
+    """Absolute sizes of the decoder state and of each iteration's update, mean over tokens:
+    norm[k] = ||z_k|| for k = 0..K (z_0 is the decoder input) and step[k-1] = ||z_k - z_{k-1}|| for k = 1..K.
+
+    Read them in absolute terms: a falling ratio step/norm can come from a growing ||z_k|| alone, so only a
+    falling `step` says that the iterations move the state less and less.
+    """
     cfg = model.config
     if cfg.arch == "dense":
-        raise ValueError("state_change needs a looped model (arch full_loop or asymloop); dense has one state")
+        raise ValueError("state_norms needs a looped model (arch full_loop or asymloop); dense has one state")
     zs = model.states(idx, n_iter)
     if cfg.arch == "full_loop":
         z0 = model.embed(idx)
@@ -40,11 +46,16 @@ def state_change(model, idx, n_iter: int | None = None) -> list[float]:
         for blk in model.encoder:
             h = blk(h, model.rope)
         z0 = torch.zeros_like(h) if cfg.context == "additive" else h
-    out, prev = [], z0
-    for z in zs:
-        out.append(((z - prev).norm(dim=-1) / z.norm(dim=-1)).mean().item())
-        prev = z
-    return out
+    zs = [z0, *zs]
+    return dict(norm=[z.norm(dim=-1).mean().item() for z in zs],
+                step=[(b - a).norm(dim=-1).mean().item() for a, b in zip(zs[:-1], zs[1:])],
+                relative=[((b - a).norm(dim=-1) / b.norm(dim=-1)).mean().item() for a, b in zip(zs[:-1], zs[1:])])
+
+
+def state_change(model, idx, n_iter: int | None = None) -> list[float]:
+    """Relative change ||z_k - z_{k-1}|| / ||z_k|| for k = 1..K, mean over tokens (see state_norms for why the
+    absolute sizes matter more)."""
+    return state_norms(model, idx, n_iter)["relative"]
 
 
 @torch.no_grad()

@@ -180,6 +180,19 @@ def test_schedule_allocation_steps_ramp_and_freeze(monkeypatch):
     assert {r["alrs_group_mean"]["embedding/head"] for r in logged} == {5.0}
 
 
+def test_unpinned_embedding_and_head_are_allocated_by_their_alphas(monkeypatch):
+    """top=() (the experiments' control) puts embedding and head into the alpha range like every other matrix."""
+    model = small_model()
+    names = list(alrs.tuned_matrices(model))
+    alphas = {n: 3.0 + i for i, n in enumerate(names)} | {"embed.weight": 1.0, "head.weight": 2.0}  # the two lowest alphas
+    monkeypatch.setattr(alrs, "matrix_alphas", lambda m, fit: dict(alphas))
+    pinned = alrs.ALRS(100, every=10, phase=0.2, ramp=0).on_step(0, model, per_matrix_optimizer(model))["alrs_multiplier"]
+    free = alrs.ALRS(100, every=10, phase=0.2, ramp=0, top=()).on_step(0, model, per_matrix_optimizer(model))["alrs_multiplier"]
+    assert pinned["embed.weight"] == pinned["head.weight"] == 5.0
+    assert free == pytest.approx(alrs.multipliers_from_alphas(alphas))  # one linear map over every matrix
+    assert free["embed.weight"] == 1.0 and free["head.weight"] < pinned["head.weight"]
+
+
 def test_state_dict_resume_reproduces_multipliers():
     """Real hill_median fits; the weights change between allocations; resume at step 130 from state_dict."""
     import copy

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from minimal_asymloop.model import LoopedLM, ModelConfig
-from minimal_asymloop.probes import global_attention_share, logit_lens, state_change
+from minimal_asymloop.probes import global_attention_share, logit_lens, state_change, state_norms
 
 V = 61
 
@@ -33,6 +33,23 @@ def test_state_change_matches_definition():
     assert len(change) == 3 and change[2] == pytest.approx(rel, rel=1e-5) and all(c > 0 for c in change)
     with pytest.raises(ValueError, match="looped model"):
         state_change(LoopedLM(tiny("dense")), idx)
+
+
+@pytest.mark.parametrize("context", ["global_kv", "additive"])
+def test_state_norms_are_the_absolute_sizes(context):
+    torch.manual_seed(0)
+    model = LoopedLM(tiny(n_iter=3, context=context)).eval()
+    idx = torch.randint(0, V, (2, 16))
+    s = state_norms(model, idx, n_iter=4)
+    with torch.no_grad():
+        zs = model.states(idx, 4)
+    assert len(s["norm"]) == 5 and len(s["step"]) == len(s["relative"]) == 4
+    assert s["norm"][4] == pytest.approx(zs[3].norm(dim=-1).mean().item(), rel=1e-5)
+    assert s["step"][3] == pytest.approx((zs[3] - zs[2]).norm(dim=-1).mean().item(), rel=1e-5)
+    if context == "additive":  # z_0 = 0: the first update is the whole state
+        assert s["norm"][0] == 0 and s["step"][0] == pytest.approx(s["norm"][1], rel=1e-5)
+    # the ratio can fall while the update itself does not: it is the norm that grows
+    assert s["relative"] == pytest.approx(state_change(model, idx, n_iter=4))
 
 
 def test_global_share_is_a_probability_and_tracks_the_global_keys():

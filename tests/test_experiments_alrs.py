@@ -1,0 +1,65 @@
+"""The ALRS study's bookkeeping in minimal_asymloop.experiments (the runs themselves are precomputed)."""
+
+from minimal_asymloop import experiments as ex
+
+
+def test_best_lr_uses_the_mean_over_seeds_and_only_complete_lrs():
+    runs = [dict(arm="uniform", lr=1e-3, seed=0, val_loss=4.0), dict(arm="uniform", lr=1e-3, seed=1, val_loss=4.4),
+            dict(arm="uniform", lr=2e-3, seed=0, val_loss=4.1), dict(arm="uniform", lr=2e-3, seed=1, val_loss=4.2),
+            dict(arm="uniform", lr=4e-3, seed=0, val_loss=3.0),  # best, but seed 1 is missing
+            dict(arm="alrs", lr=1e-3, seed=0, val_loss=1.0), dict(arm="alrs", lr=1e-3, seed=1, val_loss=1.0)]
+    assert ex.best_lr(runs, "uniform", (0, 1)) == 2e-3  # mean 4.15 < 4.2; seed 0 alone would pick 1e-3
+    assert ex.best_lr(runs, "uniform", (0,)) == 4e-3
+    assert ex.best_lr(runs, "alrs_hill", (0, 1)) is None
+    assert ex.best_lr(runs, "uniform", (0, 1), grid=(2e-3, 4e-3)) == 2e-3 and ex.best_lr(runs, "uniform", (0, 1), grid=(1e-3,)) == 1e-3
+
+
+def test_alrs_records_reads_logged_allocations():
+    rows = [dict(step=1, loss=5.0), dict(step=1, alrs_step=0, alrs_alpha={"a": 2.0}, alrs_multiplier={"a": 1.0}),
+            dict(step=11, alrs_step=10, alrs_alpha={"a": 3.0}, alrs_multiplier={"a": 5.0}), dict(step=250, val_loss=4.0)]
+    assert ex.alrs_records(rows) == [dict(step=0, alpha={"a": 2.0}, multiplier={"a": 1.0}),
+                                     dict(step=10, alpha={"a": 3.0}, multiplier={"a": 5.0})]
+
+
+def test_alrs_study_setting_fits_two_tokens_per_param_and_tunes_every_matrix():
+    from minimal_asymloop import alrs
+    from minimal_asymloop.model import LoopedLM, ModelConfig
+    from minimal_asymloop.trainer import TrainConfig
+
+    cfg = ModelConfig(arch="asymloop", n_iter=3, **ex.ALRS_LM)
+    budget = ex.describe_budget(cfg, TrainConfig(**{**ex.ALRS_TRAIN, "max_steps": 250}))
+    assert budget["tokens_per_param"] >= 2
+    model = LoopedLM(cfg)
+    n_matrices = sum(1 for p in model.parameters() if p.dim() == 2)
+    assert len(alrs.tuned_matrices(model)) == n_matrices  # d_model 64: every matrix has >= 50 eigenvalues
+
+
+def test_alrs_queue_order_edge_extension_and_controls(monkeypatch):
+    """With a fake trainer: seed 0 sweeps both grids (one LR beyond a winning edge), the other seeds follow at the
+    first seed's best, then the scaled-uniform control at base x mean multiplier, unpinned, the rest of the sweep, hill."""
+    order = []
+
+    def fake_arm(arm, lr, seed, steps):
+        order.append((arm, lr, seed))
+        loss = 4.0 - lr if arm == "uniform" else 4.0 + abs(lr - 2.5e-3)  # uniform: higher is better; ALRS: 2.5e-3
+        return dict(arm=arm, lr=lr, seed=seed, val_loss=loss + 0.01 * seed, mean_multiplier=3.0)
+
+    writes = []
+    monkeypatch.setattr(ex, "alrs_arm", fake_arm)
+    monkeypatch.setattr(ex, "alrs_spectra", lambda best, seed: dict(best=best))
+    monkeypatch.setattr(ex, "write_json", lambda path, obj: writes.append(obj))
+    monkeypatch.setattr(ex, "SEEDS", (0, 1, 2))
+    res = ex.alrs_experiment()
+    first = [(a, lr, 0) for a in ("uniform", "alrs") for lr in ex.ALRS_LRS[a]] + [("uniform", 2e-2, 0)]
+    assert order[:7] == first  # uniform's best (1e-2) is its grid's top edge: 2e-2 added
+    assert order[7:11] == [("uniform", 2e-2, 1), ("alrs", 2.5e-3, 1), ("uniform", 2e-2, 2), ("alrs", 2.5e-3, 2)]
+    assert res["scaled_uniform_lr"] == 7.5e-3 and order[11:14] == [("uniform", 7.5e-3, s) for s in (0, 1, 2)]
+    assert order[14:17] == [("alrs_unpinned", 2.5e-3, s) for s in (0, 1, 2)]
+    assert order[17:19] == [("uniform", 1e-2, 1), ("uniform", 1e-2, 2)]  # the rest of the sweep, nearest each best first
+    assert order[-3:] == [("alrs_hill", 2.5e-3, s) for s in (0, 1, 2)]
+    assert len(order) == len(set(order)) == 3 * (4 + 3) + 3 * 3  # every (arm, lr, seed) once
+    assert res["best_lr"] == {"uniform": 2e-2, "alrs": 2.5e-3} and res["partial"] is False
+    # the scaled-uniform control (7.5e-3) is not a sweep LR, so it never becomes uniform's best
+    assert ex.best_lr([*res["runs"], *[dict(arm="uniform", lr=7.5e-3, seed=s, val_loss=0.0) for s in (0, 1, 2)]], "uniform", (0, 1, 2),
+                      res["setting"]["lr_grids"]["uniform"]) == 2e-2
+    assert len(writes) == len(order) and writes[-1]["partial"] is True
