@@ -7,6 +7,7 @@ The second figure reads the precomputed runs in notebooks/results/ (written by
 """
 
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -103,47 +104,42 @@ def architecture_figure() -> Figure:
 # ----------------------------------------------------------------------------- the notebooks' key result
 
 
-def val_losses(name: str) -> dict[str, list[float]]:
-    """{run name: [val loss per seed]} from notebooks/results/<name>.json."""
-    path = RESULTS / f"{name}.json"
-    if not path.exists():
-        sys.exit(f"error: {path} is missing; run `python -m minimal_asymloop.experiments {name}` first")
-    runs = {}
-    for r in json.loads(path.read_text())["runs"]:
-        runs.setdefault(r["name"], []).append(r["val_loss"])
-    return runs
+PAIRS = [("depth 4 (L)", "dense", "asymloop_k1", "Dense", "AsymLoop K=1", (23.72, 21.79)),
+         ("depth 8 (2L)", "full_loop_k2", "asymloop_k3", "Full Loop K=2", "AsymLoop K=3", (23.03, 21.45)),
+         ("depth 12 (3L)", "full_loop_k3", "asymloop_k5", "Full Loop K=3", "AsymLoop K=5", (22.77, 21.30))]
 
 
 def results_figure() -> Figure:
-    """Validation loss at matched effective depth, with and without Global KV (mean; bars span the seeds)."""
-    runs = {**val_losses("matched_depth"), **val_losses("global_kv")}
-    groups = [("effective depth 4 (L)", [("Dense", "dense"), ("AsymLoop K=1\nwithout Global KV", "asymloop_k1_no_global"),
-                                         ("AsymLoop K=1", "asymloop_k1")]),
-              ("effective depth 8 (2L)", [("Full Loop K=2", "full_loop_k2"), ("AsymLoop K=3\nwithout Global KV", "asymloop_k3_no_global"),
-                                          ("AsymLoop K=3", "asymloop_k3")])]
-    colors = ["#636363", "#31a354", "#e6550d"]
-    fig = Figure(figsize=(8.5, 3.8), dpi=150)
+    """AsymLoop minus its matched-depth baseline in validation cross-entropy, within seed (mean ± std over seeds, each
+    seed a dot), beside the paper's 60M difference ln(PPL_AsymLoop / PPL_baseline)."""
+    runs = {}
+    for r in json.loads((RESULTS / "matched_depth.json").read_text())["runs"]:
+        runs.setdefault(r["name"], {})[r["seed"]] = r["val_loss"]
+    fig = Figure(figsize=(8, 3.8), dpi=150)
     ax = fig.subplots()
-    ticks, labels, n_seeds = [], [], set()
-    top = max(max(v) for v in runs.values()) + 0.05
-    for g, (group, members) in enumerate(groups):
-        for i, (label, key) in enumerate(members):
-            vals = runs[key]
-            n_seeds.add(len(vals))
-            mean, pos = statistics.fmean(vals), g * 4 + i
-            err = [[mean - min(vals)], [max(vals) - mean]]
-            ax.errorbar(pos, mean, yerr=err, fmt="o", ms=8, color=colors[i], capsize=4)
-            ax.text(pos + 0.15, mean, f"{mean:.3f}", va="center", fontsize=8)
-            ticks.append(pos)
-            labels.append(label)
-        ax.text(g * 4 + 1, top, group, ha="center", va="bottom", fontsize=9, fontweight="bold")
-    ax.set_ylim(min(min(v) for v in runs.values()) - 0.05, top + 0.05)
-    ax.set_xlim(-0.6, 6.8)
-    ax.set_xticks(ticks, labels, fontsize=7.5)
-    ax.set_ylabel("validation cross-entropy (nats/token)")
+    n_seeds = set()
+    for i, (_, base, asym, _, _, (ppl_base, ppl_asym)) in enumerate(PAIRS):
+        seeds = sorted(set(runs.get(base, {})) & set(runs.get(asym, {})))
+        if not seeds:
+            sys.exit(f"error: {RESULTS / 'matched_depth.json'} has no seed with both {base} and {asym}; "
+                     f"run `python -m minimal_asymloop.experiments matched_depth` first")
+        n_seeds.add(len(seeds))
+        diffs = [runs[asym][s] - runs[base][s] for s in seeds]
+        mean, std = statistics.fmean(diffs), statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        ax.errorbar(i - 0.1, mean, yerr=std, fmt="o", ms=8, color="#e6550d", capsize=4,
+                    label="ours: mean ± std over seeds" if i == 0 else None)
+        ax.plot([i - 0.1] * len(diffs), diffs, ".", color="#e6550d", alpha=0.4, label="ours: each seed" if i == 0 else None)
+        ax.plot(i + 0.1, math.log(ppl_asym / ppl_base), "s", ms=7, color="#3182bd",
+                label="paper, 60M (ln of the PPL ratio)" if i == 0 else None)
+        ax.text(i + 0.2, mean, f"{mean:+.3f}", va="center", fontsize=8)
+    ax.axhline(0, color="0.4", lw=0.8)
+    ax.set_xticks(range(len(PAIRS)), [f"{p[0]}\n{p[4]} − {p[3]}" for p in PAIRS], fontsize=8)
+    ax.set_xlim(-0.6, len(PAIRS) - 0.4)
+    ax.set_ylabel("Δ validation cross-entropy (nats/token)\nbelow 0: AsymLoop is better")
     seeds = "/".join(str(n) for n in sorted(n_seeds))
-    ax.set_title(f"Matched depth, with and without Global KV: tiny CPU setting, {seeds} seed{'s' * (seeds != '1')}, "
-                 f"mean and range; lower is better", fontsize=8.5)
+    ax.set_title(f"AsymLoop vs its matched-depth baseline, within seed ({seeds} seeds; tiny CPU setting, ~2 tokens/param)",
+                 fontsize=9)
+    ax.legend(fontsize=7.5, loc="lower left")
     ax.grid(axis="y", lw=0.3)
     fig.tight_layout()
     return fig
