@@ -47,6 +47,7 @@ TRAIN = dict(data="stdlib", tokenizer="bpe", bpe_vocab=1024, data_cache=DATA_CAC
              lr=3e-3, eval_batches=16, quiet=True, device="cpu", dtype="float32",
              alrs=False)  # uniform LR unless an experiment passes ALRS explicitly (the trainer turns it on for asymloop)
 STEPS = 200
+STEPS_SET = None  # --steps, when given: it overrides every experiment's own default (the ALRS study's ALRS_STEPS too)
 SEEDS = (0, 1, 2)  # every arm at >= 3 seeds, compared within seed (same init seed, same data order)
 CACHED_ONLY = False  # --cached-only: build the JSON from finished runs only, listing the arms not yet trained
 MAX_TEST_K = 8  # test-time depth: evaluate up to this K
@@ -245,6 +246,7 @@ ALRS_TRAIN = dict(data="stdlib", tokenizer="bpe", bpe_vocab=512, data_cache=DATA
 # (ours) the paper's schedule (allocate every 100 steps, 50-step ramps, freeze after 20% of training) scaled to a
 # 250-step run: allocations at steps 0, 10, ..., 50, each reached by a 5-step ramp, then frozen
 ALRS_SCHEDULE = dict(alrs_every=10, alrs_ramp=5, alrs_phase=0.2)
+ALRS_STEPS = 250  # (ours) 16 x 128 x 250 = 512K tokens: 2.08 tokens/param at this setting
 # base-LR grids (ours): ALRS multiplies the base LR by 1-5, so its grid sits one octave lower; an arm whose best LR
 # lands on the edge of its grid gets one more LR beyond that edge before the controls run
 ALRS_LRS = {"uniform": (2.5e-3, 5e-3, 1e-2), "alrs": (1.25e-3, 2.5e-3, 5e-3)}
@@ -301,7 +303,7 @@ def best_lr(runs: list[dict], arm: str, seeds, grid=None) -> float | None:
 def alrs_experiment(quick=False):
     """AsymLoop K=3, uniform LR vs ALRS: base-LR sweep for each, then controls at the best LRs, >= 3 seeds each."""
 
-    steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
+    steps, seeds = (30, SEEDS[:1]) if quick else (STEPS_SET or ALRS_STEPS, SEEDS)
     lrs = {arm: grid[1:2] if quick else grid for arm, grid in ALRS_LRS.items()}
     runs: list[dict] = []
     state: dict = {}  # best LRs, spectra, the scaled-uniform LR: filled in as the queue gets there
@@ -389,7 +391,7 @@ EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_ta
 
 
 def main(argv=None):
-    global SEEDS, STEPS, CACHED_ONLY
+    global SEEDS, STEPS, STEPS_SET, CACHED_ONLY
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", help=f"experiments to run: all or any of {', '.join(EXPERIMENTS)}")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
@@ -409,7 +411,7 @@ def main(argv=None):
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         sys.exit(f"unknown experiment(s) {unknown}; choose all or any of {', '.join(EXPERIMENTS)}")
-    SEEDS, STEPS, CACHED_ONLY = tuple(args.seeds or SEEDS), args.steps or STEPS, args.cached_only
+    SEEDS, STEPS, STEPS_SET, CACHED_ONLY = tuple(args.seeds or SEEDS), args.steps or STEPS, args.steps, args.cached_only
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
