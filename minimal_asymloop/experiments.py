@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from minimal_asymloop.checkpoint import load_model, read_meta
-from minimal_asymloop.data import eval_windows, prepare
+from minimal_asymloop.data import eval_windows, prepare, source_identity
 from minimal_asymloop.model import LoopedLM, ModelConfig, count_params
 from minimal_asymloop.probes import global_attention_share, logit_lens, state_norms
 from minimal_asymloop.tasks import ChainTask, accuracy_by_hops, train_on_task
@@ -153,7 +153,8 @@ def run_arms(models: dict, seeds, steps: int) -> dict:
 def lm_setting(steps: int, seeds) -> dict:
     cfg = lm_config("dense")
     return dict(model=LM, train={k: v for k, v in TRAIN.items() if k != "data_cache"}, steps=steps, seeds=list(seeds),
-                budget=describe_budget(cfg, train_config(steps, 0, RUNS)))  # dense's params; each run records its own
+                budget=describe_budget(cfg, train_config(steps, 0, RUNS)),  # dense's params; each run records its own
+                data_identity=source_identity("stdlib", None))  # this Python's stdlib: another Python version is other data
 
 
 # ----------------------------------------------------------------------------- the experiments
@@ -315,6 +316,7 @@ def alrs_experiment(quick=False):
         return dict(model=dict(ALRS_LM, arch="asymloop", n_iter=3, n_enc=cfg.n_enc),
                     train={k: v for k, v in ALRS_TRAIN.items() if k != "data_cache"}, steps=steps, seeds=list(seeds),
                     schedule=ALRS_SCHEDULE, lr_grids=lrs, budget=dict(budget, steps=steps),
+                    data_identity=source_identity("stdlib", None),
                     regenerate=f"python -m minimal_asymloop.experiments alrs --seeds {' '.join(map(str, seeds))} --steps {steps}")
 
     def result(partial=False):

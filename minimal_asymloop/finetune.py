@@ -100,7 +100,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def load_gsm8k(spec: str) -> dict[str, list[dict]]:
     """{"train": [...], "test": [...]}, each a list of {"question", "answer"} rows."""
     if spec == "gsm8k":
-        from minimal_asymloop.evaluate import hub_offline_reason
+        from minimal_asymloop.data import hub_offline_reason
 
         # an unreachable Hub switches offline mode on, so a cached copy still loads
         offline = hub_offline_reason("the data")
