@@ -66,3 +66,20 @@ def tiny_checkpoint(data_cache, tmp_path_factory):
                        eval_interval=15, eval_batches=2, device="cpu", dtype="float32", quiet=True, seed=0)
     train(mcfg, tcfg)
     return out
+
+
+def run_group(cmd, timeout: float = 300, **kwargs):
+    """subprocess.run for a command that starts children (torchrun and its ranks): on a timeout the whole process
+    group is killed, so no rank outlives the test. Returns the CompletedProcess (text, captured output)."""
+    import os
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

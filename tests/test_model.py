@@ -164,7 +164,7 @@ def test_asymloop_without_context_k1_equals_dense():
     assert asym.config.effective_depth == dense.config.effective_depth == 4
 
 
-def test_presets_match_design():
+def test_presets_match_the_papers_configurations():
     table = {"60m": (6, 3, 768, 2048, 6), "135m": (12, 6, 768, 2048, 12),
              "350m": (24, 12, 1024, 2736, 16), "1b": (24, 12, 2048, 5461, 32)}
     for size, (L, E, d, dff, h) in table.items():
