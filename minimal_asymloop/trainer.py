@@ -340,6 +340,9 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
     finally:
         run.bar.close()
         if run.world > 1 and dist.is_initialized():
+            # free the DDP wrapper first: if its Reducer drops the last reference to a gloo process group, the group's
+            # destructor can deadlock with a worker thread that needs the GIL (seen at exit on CPU)
+            run.model = None
             dist.destroy_process_group()
         if run.wandb is not None:
             run.wandb.finish()

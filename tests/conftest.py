@@ -69,8 +69,8 @@ def tiny_checkpoint(data_cache, tmp_path_factory):
 
 
 def run_group(cmd, timeout: float = 300, **kwargs):
-    """subprocess.run for a command that starts children (torchrun and its ranks): on a timeout the whole process
-    group is killed, so no rank outlives the test. Returns the CompletedProcess (text, captured output)."""
+    """subprocess.run for torchrun: on a timeout its process group is killed and the test fails at once, without
+    waiting for output pipes that a rank in a session of its own may still hold. Returns the CompletedProcess."""
     import os
     import signal
     import subprocess
@@ -80,6 +80,6 @@ def run_group(cmd, timeout: float = 300, **kwargs):
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.wait()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

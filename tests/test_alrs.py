@@ -355,7 +355,7 @@ def test_ddp_alrs_gives_every_rank_the_same_lrs(data_cache, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
            json.dumps(mcfg), json.dumps(tcfg), str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    proc = run_group(cmd, cwd=tmp_path, env=env)  # a timeout kills torchrun's ranks too
+    proc = run_group(cmd, cwd=tmp_path, env=env)  # a timeout fails the test at once
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"lrs_rank{r}.json").read_text()) for r in (0, 1))
     assert len(r0["lrs"]) == 5 and r0["lrs"] == r1["lrs"] and r0["lr_mults"] == r1["lr_mults"]
