@@ -50,6 +50,7 @@ STEPS = 200
 STEPS_SET = None  # --steps, when given: it overrides every experiment's own default (the ALRS study's ALRS_STEPS too)
 SEEDS = (0, 1, 2)  # every arm at >= 3 seeds, compared within seed (same init seed, same data order)
 CACHED_ONLY = False  # --cached-only: build the JSON from finished runs only, listing the arms not yet trained
+FRESH = False  # --fresh: train again even the runs committed in notebooks/results/ at the same setting
 MAX_TEST_K = 8  # test-time depth: evaluate up to this K
 
 
@@ -112,8 +113,36 @@ def probes(model, idx, targets) -> dict:
     return out
 
 
-def run_lm(name: str, model_cfg: ModelConfig, seed: int, steps: int, batch, lr_hook=None) -> dict | None:
-    """Train (or reuse) one run and probe it; None when CACHED_ONLY and the run has not finished yet."""
+def committed(name: str, setting: dict, ignore=()) -> dict | None:
+    """notebooks/results/<name>.json when it was made at exactly `setting` (keys in `ignore` aside), else None.
+
+    The committed results travel with the repository while out/experiments/ does not, so a fresh clone that adds
+    an arm reuses the committed runs instead of training them all again (--fresh: train everything)."""
+    path = RESULTS / f"{name}.json"
+    if FRESH or not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    plain = lambda d: {k: v for k, v in json.loads(json.dumps(d, default=float)).items() if k not in ignore}
+    return old if plain(old.get("setting", {})) == plain(setting) else None
+
+
+def committed_rows(setting: dict, *names: str) -> dict:
+    """{(run name, seed): row} of the committed LM runs made at `setting`, from the results files `names`."""
+    rows = {}
+    for name in names:
+        old = committed(name, setting)
+        rows.update({(r["name"], r["seed"]): r for r in (old or {}).get("runs", [])})
+    return rows
+
+
+def run_lm(name: str, model_cfg: ModelConfig, seed: int, steps: int, batch, lr_hook=None, done=None) -> dict | None:
+    """Train (or reuse) one run and probe it; None when CACHED_ONLY and the run has not finished yet.
+    `done`: committed rows by (name, seed), reused as they are when their architecture fields match."""
+    row = (done or {}).get((name, seed))
+    fields = dict(arch=model_cfg.arch, n_iter=model_cfg.n_iter, context=model_cfg.context, local_kv=model_cfg.local_kv)
+    if row and all(row.get(k) == v for k, v in fields.items()):
+        print(f"  {name:>18} seed {seed}: val loss {row['val_loss']:.4f}  (committed result)", flush=True)
+        return row
     out_dir = RUNS / f"{name}-s{seed}"
     train_cfg = train_config(steps, seed, out_dir)
     if CACHED_ONLY and not _finished(model_cfg, train_cfg):
@@ -138,14 +167,16 @@ def _finished(model_cfg: ModelConfig, train_cfg: TrainConfig) -> bool:
             and _same(meta["train_config"], asdict(train_cfg)))
 
 
-def run_arms(models: dict, seeds, steps: int) -> dict:
-    """Every (arm, seed) in the order given (seed-major within each group); the runs and the arms still missing."""
+def run_arms(models: dict, seeds, steps: int, setting: dict) -> dict:
+    """Every (arm, seed) in the order given (seed-major within each group); the runs and the arms still missing.
+    Runs committed at the same setting (matched_depth's and global_kv's results) are reused, not trained again."""
     batch = probe_batch()
     runs, missing = [], []
+    done = committed_rows(setting, "matched_depth", "global_kv")
     for group in models:  # groups run one after another, so the cheap arms finish first
         for seed in seeds:
             for name, cfg in group.items():
-                row = run_lm(name, cfg, seed, steps, batch)
+                row = run_lm(name, cfg, seed, steps, batch, done=done)
                 (runs.append(row) if row else missing.append(dict(name=name, seed=seed)))
     return dict(runs=runs, missing=missing)
 
@@ -164,7 +195,8 @@ def matched_depth(quick=False):
     """Matched effective depth, uniform LR, QKNorm on everywhere: dense L=4 vs AsymLoop K=1 (depth 4),
     Full Loop K=2 vs AsymLoop K=3 (depth 8), Full Loop K=3 vs AsymLoop K=5 (depth 12), per seed."""
     steps, seeds = (30, SEEDS[:1]) if quick else (STEPS, SEEDS)
-    return dict(setting=lm_setting(steps, seeds), **run_arms(MATCHED_DEPTH, seeds, steps))
+    setting = lm_setting(steps, seeds)
+    return dict(setting=setting, **run_arms(MATCHED_DEPTH, seeds, steps, setting))
 
 
 # the matched pairs, one group per depth, cheapest first (each group runs for every seed before the next)
@@ -190,50 +222,82 @@ def global_kv(quick=False):
     twins = {f"asymloop_k{k}": lm_config("asymloop", n_iter=k) for k in (1, 3, 5)}
     groups = [twins, arm("no_global", 3), {**arm("additive", 3), **arm("no_local", 3)}, arm("no_global", 5),
               {**arm("additive", 5), **arm("no_local", 5)}, arm("no_local", 1)]
-    return dict(setting=lm_setting(steps, seeds), **run_arms(groups, seeds, steps))
+    setting = lm_setting(steps, seeds)
+    return dict(setting=setting, **run_arms(groups, seeds, steps, setting))
 
 
 def chain_task(quick=False):
-    """Variable-binding chains: accuracy by hops for AsymLoop (E=1, D=1) trained at K=1, 3 and Full Loop (L=2)
-    at K=2, each evaluated at test-time K=1..6."""
+    """Depth on a task that needs it: binding chains of 1-4 hops, Dense L=1..4, AsymLoop (E=1, D=1) K=1..5 and
+    Full Loop (L=2) K=2 trained until converged, 3 seeds; accuracy by hops at the trained K and at test-time K+1..K+3."""
     task = ChainTask(**CHAIN_TASK)
-    steps = 40 if quick else CHAIN_STEPS
-    runs = [chain_run(name, cfg, task, steps) for name, cfg in chain_models(task).items()]
-    return dict(setting=dict(task=CHAIN_TASK, model=CHAIN_MODEL, steps=steps, batch=CHAIN_BATCH), runs=runs)
+    steps, seeds = (40, SEEDS[:1]) if quick else (CHAIN_STEPS, SEEDS)
+    setting = chain_setting(steps)
+    done = {} if quick else {(r["name"], r["seed"]): r for r in (committed("chain_task", setting) or {}).get("runs", [])}
+    runs = [done.get((name, seed)) or chain_run(name, cfg, task, setting, seed)
+            for seed in seeds for name, cfg in chain_models(task).items()]  # seed-major: every arm at seed 0 first
+    return dict(setting=dict(setting, seeds=list(seeds)), runs=runs)
+
+
+def chain_setting(steps: int) -> dict:
+    return dict(task=CHAIN_TASK, model=CHAIN_MODEL, max_steps=steps, batch=CHAIN_BATCH, lr=CHAIN_LR,
+                check_every=CHAIN_CHECK, converged=CHAIN_CONVERGED, eval_programs=CHAIN_EVAL)
 
 
 def chain_models(task: ChainTask) -> dict:
+    """Effective depth 1-6: Dense L = 1..4, AsymLoop E = D = 1 at K = 1..5 (depth 1 + K), Full Loop L = 2 at K = 2."""
     base = dict(CHAIN_MODEL, vocab_size=task.vocab_size, max_seq_len=task.seq_len)
-    # matched effective depth 4: AsymLoop E=1 + 3·D=1 vs Full Loop 2·L=2; AsymLoop K=1 (depth 2) as the shallow control
-    models = {f"asymloop_k{k}": ModelConfig(arch="asymloop", n_iter=k, **base) for k in (1, 3)}
-    models["full_loop_k2"] = ModelConfig(arch="full_loop", n_iter=2, **base)
+    models = {f"dense_l{n}": ModelConfig(arch="dense", n_layer=n, **base) for n in range(1, 5)}
+    models.update({f"asymloop_k{k}": ModelConfig(arch="asymloop", n_layer=2, n_iter=k, **base) for k in range(1, 6)})
+    models["full_loop_k2"] = ModelConfig(arch="full_loop", n_layer=2, n_iter=2, **base)
     return models
 
 
-def chain_run(name: str, cfg: ModelConfig, task: ChainTask, steps: int) -> dict:
-    """Train one model on the chain task (or reuse its saved result for the same setting)."""
-    path = RUNS / f"chain_{name}.json"
-    setting = dict(task=CHAIN_TASK, model=cfg.to_dict(), steps=steps, batch=CHAIN_BATCH)
+def chain_run(name: str, cfg: ModelConfig, task: ChainTask, setting: dict, seed: int) -> dict:
+    """Train one model on fresh programs until every hop count is at CHAIN_CONVERGED accuracy on held-out programs
+    (checked every CHAIN_CHECK steps) or max_steps; cached in out/experiments/chain/ by setting, name and seed."""
+    path = RUNS / "chain" / f"{name}-s{seed}.json"
     if path.exists() and json.loads(path.read_text())["setting"] == setting:
         return json.loads(path.read_text())["run"]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LoopedLM(cfg)
+    curve = []  # (step, {hops: accuracy}) on the same held-out programs at every check
+
+    def check(step, m):
+        acc = accuracy_by_hops(m, task, n=CHAIN_EVAL)
+        curve.append((step, acc))
+        return min(acc.values()) >= CHAIN_CONVERGED
+
     t0 = time.time()
-    losses = train_on_task(model, task, steps=steps, batch_size=CHAIN_BATCH, seed=0)
-    acc = {k: accuracy_by_hops(model, task, n_iter=k) for k in range(1, 7)}
-    run = dict(name=name, arch=cfg.arch, n_iter=cfg.n_iter, effective_depth=cfg.effective_depth,
-               params=count_params(cfg), seconds=time.time() - t0, loss=losses[:: max(1, steps // 100)],
-               acc_by_test_k={k: {str(h): a for h, a in v.items()} for k, v in acc.items()})
-    print(f"  {name:>14}: acc at trained K {acc[cfg.n_iter]} ({run['seconds']:.0f}s)", flush=True)
+    losses = train_on_task(model, task, steps=setting["max_steps"], batch_size=CHAIN_BATCH, lr=CHAIN_LR, seed=seed,
+                           check_every=CHAIN_CHECK, check=check)
+    seconds = time.time() - t0
+    looped = cfg.arch != "dense"
+    test_ks = range(1, cfg.n_iter + 4) if looped else [cfg.n_iter]  # test-time depth up to K + 3 (and below K)
+    acc = {k: accuracy_by_hops(model, task, n=CHAIN_EVAL, n_iter=k if looped else None) for k in test_ks}
+    run = dict(name=name, seed=seed, arch=cfg.arch, n_layer=cfg.n_layer, n_iter=cfg.n_iter,
+               effective_depth=cfg.effective_depth, params=count_params(cfg), steps=len(losses),
+               converged=min(curve[-1][1].values()) >= CHAIN_CONVERGED if curve else False, seconds=seconds,
+               loss=[(i, losses[i]) for i in range(0, len(losses), 50)],
+               curve=[(step, {str(h): a for h, a in a_.items()}) for step, a_ in curve],
+               acc_by_test_k={str(k): {str(h): a for h, a in v.items()} for k, v in acc.items()})
+    print(f"  {name:>14} seed {seed}: {run['steps']} steps, converged {run['converged']}, acc by hops "
+          f"{ {h: round(a, 2) for h, a in acc[cfg.n_iter].items()} } ({seconds:.0f}s)", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(setting=setting, run=run)))
     return run
 
 
-CHAIN_TASK = dict(n_stmt=8, max_hops=3, n_vars=8, n_values=4)
-CHAIN_MODEL = dict(n_layer=2, d_model=64, n_head=4, d_ff=128, qk_norm=True)
-CHAIN_STEPS = 500
-CHAIN_BATCH = 64
+# (ours) programs of 8 statements over 8 variables and 4 values, chains of 1-4 hops: hop h needs about h blocks in
+# sequence (one to bring each statement's left-hand side to its right-hand side, then one lookup per hop), so Dense
+# L = 1..4 and AsymLoop K = 1..5 span the depths that can and cannot solve it
+CHAIN_TASK = dict(n_stmt=8, max_hops=4, n_vars=8, n_values=4)
+CHAIN_MODEL = dict(d_model=64, n_head=4, d_ff=128, qk_norm=True)
+CHAIN_STEPS = 6000  # the most steps per run; a converged run stops at its first check >= CHAIN_CONVERGED
+CHAIN_BATCH = 32  # fresh programs per step
+CHAIN_LR = 3e-3
+CHAIN_CHECK = 250  # steps between accuracy checks on held-out programs
+CHAIN_CONVERGED = 0.99  # every hop count at least this accurate
+CHAIN_EVAL = 256  # held-out programs per check (one fixed generator seed, apart from the training streams)
 
 
 # ----------------------------------------------------------------------------- ALRS, fairly (base-LR sweep + controls)
@@ -259,9 +323,35 @@ def alrs_records(rows: list[dict]) -> list[dict]:
     return [dict(step=r["alrs_step"], alpha=r["alrs_alpha"], multiplier=r["alrs_multiplier"]) for r in rows if "alrs_multiplier" in r]
 
 
+class PinnedTop:
+    """Control (ours): uniform LR for every matrix except embedding and head, which get ALRS's top multiplier,
+    reached by ALRS's ramp from step 0 and then kept; the one thing ALRS does that needs no spectrum."""
+
+    per_matrix = True
+
+    def __init__(self, hi: float, ramp_len: int):
+        self.hi, self.ramp_len = hi, ramp_len
+
+    def on_step(self, step, model, optimizer):
+        from minimal_asymloop import alrs
+
+        mult = alrs.ramp(1.0, self.hi, step, 0, self.ramp_len)
+        for group in optimizer.param_groups:
+            if group.get("name") in alrs.TOP_NAMES:
+                group["lr_mult"] = mult
+        return dict(pinned_top=self.hi) if step == 0 else None
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict):
+        pass
+
+
 def alrs_arm(arm: str, lr: float, seed: int, steps: int) -> dict:
-    """One run of the ALRS study: arm is uniform, alrs (ww fit), alrs_hill (hill_median fit) or alrs_unpinned
-    (embedding and head allocated like every other matrix). Cached in out/experiments/ by arm, LR and seed."""
+    """One run of the ALRS study: arm is uniform, alrs (ww fit), alrs_hill (hill_median fit), alrs_unpinned
+    (embedding and head allocated like every other matrix) or uniform_top (uniform LR with embedding and head at the
+    top multiplier). Cached in out/experiments/ by arm, LR and seed."""
     from minimal_asymloop import alrs
 
     cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
@@ -271,6 +361,8 @@ def alrs_arm(arm: str, lr: float, seed: int, steps: int) -> dict:
     train_cfg = TrainConfig(**{**ALRS_TRAIN, **extra, "lr": lr, "max_steps": steps, "eval_interval": steps, "seed": seed,
                                "out_dir": str(out_dir)})
     hook = None
+    if arm == "uniform_top":  # uniform LR, except what ALRS pins: embedding and head at its top multiplier
+        hook = PinnedTop(train_cfg.alrs_hi, ALRS_SCHEDULE["alrs_ramp"])
     if arm == "alrs_unpinned":  # the trainer's hook pins embedding and head; this one does not (the out_dir name says so)
         t = train_cfg
         hook = alrs.ALRS(steps, t.alrs_fit, t.alrs_lo, t.alrs_hi, t.alrs_every, t.alrs_phase, t.alrs_ramp, top=())
@@ -309,19 +401,16 @@ def alrs_experiment(quick=False):
     runs: list[dict] = []
     state: dict = {}  # best LRs, spectra, the scaled-uniform LR: filled in as the queue gets there
     t_start = time.time()
-
-    def setting():
-        cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
-        budget = describe_budget(cfg, TrainConfig(**{**ALRS_TRAIN, "max_steps": steps}))
-        return dict(model=dict(ALRS_LM, arch="asymloop", n_iter=3, n_enc=cfg.n_enc),
-                    train={k: v for k, v in ALRS_TRAIN.items() if k != "data_cache"}, steps=steps, seeds=list(seeds),
-                    schedule=ALRS_SCHEDULE, lr_grids=lrs, budget=dict(budget, steps=steps),
-                    data_identity=source_identity("stdlib", None),
-                    regenerate=f"python -m minimal_asymloop.experiments alrs --seeds {' '.join(map(str, seeds))} --steps {steps}")
+    # runs committed at this setting are reused (the grids may have grown at an edge, so they are not compared)
+    old = None if quick else committed("alrs", setting_of(steps, seeds, lrs), ignore=("lr_grids",))
+    if old:
+        runs += old["runs"]
+        lrs = {arm: tuple(grid) for arm, grid in old["setting"]["lr_grids"].items()}
 
     def result(partial=False):
         best = {arm: best_lr(runs, arm, seeds, lrs[arm]) for arm in ("uniform", "alrs")}  # the sweep's LRs with every seed
-        return dict(setting=setting(), best_lr=best, **state, runs=runs, partial=partial, seconds=time.time() - t_start)
+        return dict(setting=setting_of(steps, seeds, lrs), best_lr=best, **state, runs=runs, partial=partial,
+                    seconds=time.time() - t_start)
 
     def run(arm, lr, seed):
         if not any((r["arm"], r["lr"], r["seed"]) == (arm, lr, seed) for r in runs):
@@ -347,7 +436,8 @@ def alrs_experiment(quick=False):
     for seed in seeds[1:]:
         for arm in ("uniform", "alrs"):
             run(arm, best0[arm], seed)
-    state["spectra"] = alrs_spectra(best0, first[0])
+    reuse_spectra = old and old.get("best_lr_first_seed") == best0 and "spectra" in old
+    state["spectra"] = old["spectra"] if reuse_spectra else alrs_spectra(best0, first[0])
     mean_mult = float(np.mean([r["mean_multiplier"] for r in runs if r["arm"] == "alrs" and r["lr"] == best0["alrs"]]))
     state.update(mean_multiplier=mean_mult, scaled_uniform_lr=float(f"{best0['alrs'] * mean_mult:.3g}"))
     for seed in seeds:
@@ -360,7 +450,20 @@ def alrs_experiment(quick=False):
             run(arm, lr, seed)
     for seed in seeds:
         run("alrs_hill", best0["alrs"], seed)
+    for seed in seeds:  # is the gain ALRS's spectra, or only its pinned embedding/head LR?
+        run("uniform_top", best0["uniform"], seed)
     return result()
+
+
+def setting_of(steps: int, seeds, lrs: dict) -> dict:
+    """The ALRS study's setting, as recorded in its JSON."""
+    cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
+    budget = describe_budget(cfg, TrainConfig(**{**ALRS_TRAIN, "max_steps": steps}))
+    return dict(model=dict(ALRS_LM, arch="asymloop", n_iter=3, n_enc=cfg.n_enc),
+                train={k: v for k, v in ALRS_TRAIN.items() if k != "data_cache"}, steps=steps, seeds=list(seeds),
+                schedule=ALRS_SCHEDULE, lr_grids=lrs, budget=dict(budget, steps=steps),
+                data_identity=source_identity("stdlib", None),
+                regenerate=f"python -m minimal_asymloop.experiments alrs --seeds {' '.join(map(str, seeds))} --steps {steps}")
 
 
 def alrs_spectra(best: dict, seed: int) -> dict:
@@ -393,7 +496,7 @@ EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_ta
 
 
 def main(argv=None):
-    global SEEDS, STEPS, STEPS_SET, CACHED_ONLY
+    global SEEDS, STEPS, STEPS_SET, CACHED_ONLY, FRESH
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", help=f"experiments to run: all or any of {', '.join(EXPERIMENTS)}")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
@@ -402,6 +505,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, help=f"LM experiments: training steps per run (default {STEPS})")
     p.add_argument("--cached-only", action="store_true", help="train nothing: write the JSON from the runs finished so far "
                    "(out/experiments/), listing the missing arms under 'missing'")
+    p.add_argument("--fresh", action="store_true", help="train again even the runs committed in notebooks/results/ "
+                   "(by default a run committed at the same setting is reused)")
     p.add_argument("--threads", type=int, help="torch CPU threads (the committed results ran with 1, on a shared machine)")
     p.add_argument("--out", default=str(RESULTS), help="folder for the JSON results (default notebooks/results)")
     args = p.parse_args(argv)
@@ -414,6 +519,7 @@ def main(argv=None):
     if unknown:
         sys.exit(f"unknown experiment(s) {unknown}; choose all or any of {', '.join(EXPERIMENTS)}")
     SEEDS, STEPS, STEPS_SET, CACHED_ONLY = tuple(args.seeds or SEEDS), args.steps or STEPS, args.steps, args.cached_only
+    FRESH = args.fresh
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)

@@ -117,10 +117,12 @@ def accuracy_by_hops(model, task: ChainTask, n: int = 256, n_iter: int | None = 
 
 
 def train_on_task(model, task: ChainTask, steps: int = 600, batch_size: int = 32, lr: float = 3e-3,
-                  seed: int = 0, log_every: int = 0) -> list[float]:
+                  seed: int = 0, log_every: int = 0, check_every: int = 0, check=None) -> list[float]:
     """(ours) Train on fresh task batches with the LM trainer's optimizer groups and LR schedule; returns the loss per step.
 
     The task is not a text corpus, so batches come from `task.batch`, not the trainer's data pipeline.
+    check(step, model) -> bool, called after every `check_every` steps: True stops training there (early stopping
+    once a model has converged); the returned list then has one loss per step actually run.
     """
     cfg = TrainConfig(max_steps=steps, lr=lr, seq_len=task.seq_len, global_batch=batch_size)
     g = torch.Generator().manual_seed(seed)
@@ -139,4 +141,7 @@ def train_on_task(model, task: ChainTask, steps: int = 600, batch_size: int = 32
         losses.append(loss.item())
         if log_every and step % log_every == 0:
             print(f"step {step:5d} loss {loss.item():.3f}")
+        if check_every and (step + 1) % check_every == 0 and check(step + 1, model):
+            break
+    model.train()
     return losses

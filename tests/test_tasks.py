@@ -51,3 +51,12 @@ def test_a_tiny_model_learns_one_hop_statements():
     after = accuracy_by_hops(model, task, n=64)
     assert losses[-1] < losses[0] - 0.3
     assert after[1] > 0.9 > before[1] + 0.3
+
+
+def test_training_stops_early_when_the_check_says_so():
+    task = ChainTask(n_stmt=4, max_hops=2, n_vars=6, n_values=4)
+    model = LoopedLM(ModelConfig(arch="dense", n_layer=1, d_model=32, n_head=2, d_ff=64, vocab_size=task.vocab_size,
+                                 max_seq_len=task.seq_len))
+    calls = []
+    losses = train_on_task(model, task, steps=50, batch_size=8, check_every=10, check=lambda step, m: calls.append(step) or step >= 20)
+    assert calls == [10, 20] and len(losses) == 20 and model.training

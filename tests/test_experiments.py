@@ -1,4 +1,9 @@
-"""The ALRS study's bookkeeping in minimal_asymloop.experiments (the runs themselves are precomputed)."""
+"""The bookkeeping of minimal_asymloop.experiments: the ALRS study's queue and the reuse of committed runs (the runs
+themselves are precomputed)."""
+
+import json
+
+import pytest
 
 from minimal_asymloop import experiments as ex
 
@@ -34,10 +39,12 @@ def test_alrs_study_setting_fits_two_tokens_per_param_and_tunes_every_matrix():
     assert len(alrs.tuned_matrices(model)) == n_matrices  # d_model 64: every matrix has >= 50 eigenvalues
 
 
-def test_alrs_queue_order_edge_extension_and_controls(monkeypatch):
+def test_alrs_queue_order_edge_extension_and_controls(monkeypatch, tmp_path):
     """With a fake trainer: seed 0 sweeps both grids (one LR beyond a winning edge), the other seeds follow at the
-    first seed's best, then the scaled-uniform control at base x mean multiplier, unpinned, the rest of the sweep, hill."""
+    first seed's best, then the scaled-uniform control at base x mean multiplier, unpinned, the rest of the sweep, hill,
+    and uniform LR with only embedding/head pinned at the top."""
     order = []
+    monkeypatch.setattr(ex, "RESULTS", tmp_path)  # no committed results to reuse
 
     def fake_arm(arm, lr, seed, steps):
         order.append((arm, lr, seed))
@@ -56,10 +63,60 @@ def test_alrs_queue_order_edge_extension_and_controls(monkeypatch):
     assert res["scaled_uniform_lr"] == 7.5e-3 and order[11:14] == [("uniform", 7.5e-3, s) for s in (0, 1, 2)]
     assert order[14:17] == [("alrs_unpinned", 2.5e-3, s) for s in (0, 1, 2)]
     assert order[17:19] == [("uniform", 1e-2, 1), ("uniform", 1e-2, 2)]  # the rest of the sweep, nearest each best first
-    assert order[-3:] == [("alrs_hill", 2.5e-3, s) for s in (0, 1, 2)]
-    assert len(order) == len(set(order)) == 3 * (4 + 3) + 3 * 3  # every (arm, lr, seed) once
+    assert order[-6:-3] == [("alrs_hill", 2.5e-3, s) for s in (0, 1, 2)]
+    assert order[-3:] == [("uniform_top", 2e-2, s) for s in (0, 1, 2)]  # at uniform's best LR
+    assert len(order) == len(set(order)) == 3 * (4 + 3) + 4 * 3  # every (arm, lr, seed) once
     assert res["best_lr"] == {"uniform": 2e-2, "alrs": 2.5e-3} and res["partial"] is False
     # the scaled-uniform control (7.5e-3) is not a sweep LR, so it never becomes uniform's best
     assert ex.best_lr([*res["runs"], *[dict(arm="uniform", lr=7.5e-3, seed=s, val_loss=0.0) for s in (0, 1, 2)]], "uniform", (0, 1, 2),
                       res["setting"]["lr_grids"]["uniform"]) == 2e-2
     assert len(writes) == len(order) and writes[-1]["partial"] is True
+
+
+def test_alrs_study_reuses_the_committed_runs_of_its_setting(monkeypatch, tmp_path):
+    """A fresh clone (no out/experiments/) trains only the arms missing from the committed JSON; another setting
+    or --fresh trains everything."""
+    calls = []
+
+    def fake_arm(arm, lr, seed, steps):
+        calls.append((arm, lr, seed))
+        return dict(arm=arm, lr=lr, seed=seed, val_loss=4.0 + abs(lr - 2.5e-3), mean_multiplier=3.0)
+
+    monkeypatch.setattr(ex, "alrs_arm", fake_arm)
+    monkeypatch.setattr(ex, "alrs_spectra", lambda best, seed: calls.append("spectra") or dict(best=best))
+    monkeypatch.setattr(ex, "write_json", lambda path, obj: None)
+    monkeypatch.setattr(ex, "SEEDS", (0, 1, 2))
+    monkeypatch.setattr(ex, "RESULTS", tmp_path)
+    full = ex.alrs_experiment()
+    everything = list(calls)
+    assert "spectra" in everything and ("uniform_top", 2.5e-3, 2) in everything
+    kept = [r for r in full["runs"] if r["arm"] != "uniform_top"]  # the file as committed before the new control
+    (tmp_path / "alrs.json").write_text(json.dumps(dict(full, runs=kept)))
+    calls.clear()
+    again = ex.alrs_experiment()
+    assert calls == [("uniform_top", 2.5e-3, s) for s in (0, 1, 2)]  # the spectra and every other run reused
+    assert len(again["runs"]) == len(full["runs"])
+    calls.clear()
+    monkeypatch.setattr(ex, "FRESH", True)
+    ex.alrs_experiment()
+    assert calls == everything
+    monkeypatch.setattr(ex, "FRESH", False)
+    calls.clear()
+    monkeypatch.setattr(ex, "ALRS_STEPS", 100)  # another setting (fewer steps) reuses nothing
+    ex.alrs_experiment()
+    assert len(calls) == len(everything)
+
+
+def test_lm_runs_reuse_committed_rows_of_the_same_setting(monkeypatch, tmp_path):
+    monkeypatch.setattr(ex, "RESULTS", tmp_path)
+    setting = ex.lm_setting(200, (0, 1, 2))
+    row = dict(name="asymloop_k5_no_local", seed=1, arch="asymloop", n_iter=5, context="global_kv", local_kv=False, val_loss=3.9)
+    (tmp_path / "global_kv.json").write_text(json.dumps(dict(setting=setting, runs=[row])))
+    done = ex.committed_rows(setting, "matched_depth", "global_kv")
+    assert done == {("asymloop_k5_no_local", 1): row}
+    monkeypatch.setattr(ex, "train_lm", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
+    cfg = ex.lm_config("asymloop", n_iter=5, **ex.CONTEXTS["no_local"])
+    assert ex.run_lm("asymloop_k5_no_local", cfg, 1, 200, batch=None, done=done) == row
+    with pytest.raises(AssertionError, match="trained"):  # same name, other architecture fields: not reused
+        ex.run_lm("asymloop_k5_no_local", ex.lm_config("asymloop", n_iter=5), 1, 200, batch=None, done=done)
+    assert ex.committed_rows(ex.lm_setting(100, (0, 1, 2)), "global_kv") == {}
