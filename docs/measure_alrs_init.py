@@ -36,7 +36,7 @@ def main():
     for shape, a in sorted(by_shape.items()):
         print(f"hill_median alphas of the {shape[0]}x{shape[1]} matrices: {min(a):.2f} to {max(a):.2f}")
 
-    watcher = alrs._weightwatcher().WeightWatcher()
+    watcher = alrs.weightwatcher_module().WeightWatcher()
     rel, err, n_tail = [], [], []
     for w in mats.values():
         e64 = alrs.eigenvalues(w, torch.float64)

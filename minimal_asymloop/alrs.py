@@ -63,7 +63,7 @@ def hill_median_alpha(eigenvalues) -> float:
 
 
 @functools.cache
-def _weightwatcher():
+def weightwatcher_module():
     """Import weightwatcher without its process-wide side effects: on import it calls
     warnings.simplefilter("ignore") (silencing every warning in the process) and
     logging.basicConfig(level=INFO), and logs a notice about CUDA or SciPy."""
@@ -86,7 +86,7 @@ def ww_fit_alpha(eigenvalues) -> float:
     `WeightWatcher.fit_powerlaw` is the function `analyze()` calls on each layer's
     eigenvalues; we call it with analyze()'s defaults (no fix_fingers, no xmax, its `ww` fitter).
     """
-    watcher = _weightwatcher().WeightWatcher()
+    watcher = weightwatcher_module().WeightWatcher()
     e = np.sort(np.asarray(eigenvalues, dtype=np.float64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # tied eigenvalues divide by zero; we raise below

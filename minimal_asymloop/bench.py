@@ -175,7 +175,7 @@ def bench_alrs(args):
     print(f"ALRS allocation, {args.size} {args.arch} (K={cfg.n_iter}, {count_params(cfg) / 1e6:.1f}M params), "
           f"{len(mats)} tuned matrices, {device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("  figures are (wall s / process CPU s)")
-    t = clock(alrs._weightwatcher)
+    t = clock(alrs.weightwatcher_module)
     print(f"  weightwatcher import, once per process: {t[0]:.1f} / {t[1]:.1f}")
     alrs.eigenvalues(mats["head.weight"])  # warm up the solver (CUDA handles, MKL threads)
     evals = {}
@@ -188,7 +188,7 @@ def bench_alrs(args):
         cpu_state = {k: v.detach().cpu() for k, v in mats.items()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t = clock(lambda: alrs._weightwatcher().WeightWatcher().analyze(cpu_state, plot=False))
+            t = clock(lambda: alrs.weightwatcher_module().WeightWatcher().analyze(cpu_state, plot=False))
         print(f"  for reference, weightwatcher analyze() of the same matrices: {t[0]:.2f} / {t[1]:.2f}")
 
     # one training step = forward+backward over tokens_per_step tokens; we time a (batch, seq)

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from minimal_asymloop import checkpoint as ckpt
 from minimal_asymloop.data import DataError, eot_id
-from minimal_asymloop.system import _autocast, resolve_device
+from minimal_asymloop.system import autocast_context, resolve_device
 from minimal_asymloop.trainer import TrainConfig, log_metrics, lr_at, param_groups
 
 GSM8K, GSM8K_CONFIG = "openai/gsm8k", "main"
@@ -217,7 +217,7 @@ def dev_loss(model, examples, pad_id, batch: int, device, dtype) -> float:
     order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))  # similar lengths share a batch: less padding
     for s in range(0, len(order), batch):
         x, y = batch_tensors([examples[i] for i in order[s:s + batch]], pad_id)
-        with _autocast(device, dtype):
+        with autocast_context(device, dtype):
             loss, n = masked_loss_sum(model, x.to(device), y.to(device))
         total, count = total + loss.item(), count + n
     model.train(was)
@@ -248,7 +248,7 @@ def finetune(model, tokenizer, train_ex, dev_ex, cfg: FinetuneConfig, device, dt
         loss_val = 0.0
         for m in range(0, len(batch), micro):
             x, y = batch_tensors(batch[m:m + micro], pad_id)
-            with _autocast(device, dtype):
+            with autocast_context(device, dtype):
                 loss, _ = masked_loss_sum(model, x.to(device), y.to(device))
                 aux = sum(model.moe_aux_losses().values())  # MoE checkpoints: router losses, weighted per micro-batch
             (loss / n_tok + aux * len(x) / len(batch)).backward()
@@ -301,7 +301,7 @@ def evaluate_gsm8k(model, tokenizer, rows: list[dict], cfg: FinetuneConfig, devi
     bar = tqdm(total=len(rows), desc=f"GSM8K test, K={n_iter}", unit="q", disable=not progress)
     for b in batches:
         idx = torch.tensor([prompts[i] for i in b], device=device)
-        with _autocast(device, dtype):
+        with autocast_context(device, dtype):
             out = model.generate(idx, cfg.max_new_tokens, temperature=0.0, n_iter=n_iter, stop_id=eot)
         for i, row in zip(b, out[:, idx.size(1):].tolist()):
             texts[i] = tokenizer.decode(row[:row.index(eot)] if eot in row else row)

@@ -5,13 +5,13 @@ import json
 import os
 from pathlib import Path
 
-from minimal_asymloop.system import _dist
+from minimal_asymloop.system import rank_and_world
 
 
 def log_metrics(out_dir, row: dict, wandb_run=None):
     """Append one JSON object to out_dir/metrics.jsonl (rank 0 only), and the same row to wandb_run if given.
     Every logged figure goes through here."""
-    if _dist()[0] != 0:
+    if rank_and_world()[0] != 0:
         return
     with open(Path(out_dir) / "metrics.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -24,7 +24,7 @@ def read_metrics(out_dir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _trim_metrics(out_dir, last_step: int):
+def trim_metrics(out_dir, last_step: int):
     """On resume: drop rows logged after the checkpoint (they will be recomputed), atomically."""
     rows = [r for r in read_metrics(out_dir) if r.get("step", 0) <= last_step]
     tmp = Path(out_dir) / "metrics.jsonl.tmp"

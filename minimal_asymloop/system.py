@@ -26,7 +26,7 @@ class DistributedError(RuntimeError):
     """DDP: another rank died or hung (a collective failed or passed ddp_timeout_s); the message says what to do."""
 
 
-def _lost_ranks(e: RuntimeError, rank: int, step: int, cfg: TrainConfig) -> DistributedError | None:
+def lost_ranks_error(e: RuntimeError, rank: int, step: int, cfg: TrainConfig) -> DistributedError | None:
     """A one-line DistributedError for a failed collective (gloo/NCCL), or None for any other RuntimeError."""
     text = " ".join(str(e).split())
     comm = ("gloo", "NCCL", "Timed out", "Connection reset", "Connection closed")
@@ -76,7 +76,7 @@ def gpu_peak_flops(device: torch.device) -> float | None:
     return PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device).strip())
 
 
-def _peak_flops_or_say_why(device: torch.device, say) -> float | None:
+def peak_flops_or_reason(device: torch.device, say) -> float | None:
     peak = gpu_peak_flops(device)
     if peak is None and device.type == "cuda":
         say(f"MFU not logged: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name(device)!r} "
@@ -84,7 +84,7 @@ def _peak_flops_or_say_why(device: torch.device, say) -> float | None:
     return peak
 
 
-def _wandb_module(cfg: TrainConfig):
+def wandb_module(cfg: TrainConfig):
     """The wandb package when --wandb is on, else None; a one-line error when it is not installed."""
     if not cfg.wandb:
         return None
@@ -95,7 +95,7 @@ def _wandb_module(cfg: TrainConfig):
     return wandb
 
 
-def _autocast(device, dtype):
+def autocast_context(device, dtype):
     device = torch.device(device)
     return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
 
@@ -146,5 +146,5 @@ def check_out_dir(out_dir: Path):
         raise ConfigError(f"cannot write to --out-dir {out_dir} ({e.strerror or e}); choose a writable --out-dir") from None
 
 
-def _dist() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)

@@ -23,20 +23,20 @@ from tqdm import tqdm
 from minimal_asymloop import alrs
 from minimal_asymloop import checkpoint as ckpt
 from minimal_asymloop.data import SHARD_TOKENS, TOKENIZERS, BatchSampler, Tokens, eval_windows, fineweb_for_budget, prepare
-from minimal_asymloop.metrics import _trim_metrics, log_metrics, plot_metrics, plot_stable_rank, read_metrics  # noqa: F401 (re-exported)
+from minimal_asymloop.metrics import log_metrics, plot_metrics, plot_stable_rank, read_metrics, trim_metrics  # noqa: F401 (re-exported)
 from minimal_asymloop.model import LoopedLM, ModelConfig, count_params, flops_per_token
 from minimal_asymloop.system import (  # noqa: F401 (gpu_peak_flops: re-exported for tests)
     ConfigError,
     DistributedError,
-    _autocast,
-    _dist,
-    _lost_ranks,
-    _peak_flops_or_say_why,
-    _wandb_module,
+    autocast_context,
     check_out_dir,
     gpu_peak_flops,
+    lost_ranks_error,
+    peak_flops_or_reason,
+    rank_and_world,
     resolve_device,
     stop_on_signals,
+    wandb_module,
 )
 
 
@@ -244,7 +244,7 @@ def evaluate_loss(model, tokens: Tokens, seq_len: int, batch_size: int, n_batche
     The windows depend only on (tokens, seq_len, batch_size, n_batches); they are run in chunks of
     micro_batch, and under DDP each rank takes every world_size-th chunk and the sums are all-reduced.
     """
-    rank, world = _dist()
+    rank, world = rank_and_world()
     starts = eval_windows(tokens, seq_len, n_batches * batch_size)
     chunk = micro_batch or batch_size
     totals = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of per-window losses, windows)
@@ -253,7 +253,7 @@ def evaluate_loss(model, tokens: Tokens, seq_len: int, batch_size: int, n_batche
     for c in range(rank, math.ceil(len(starts) / chunk), world):
         w = np.stack([tokens.window(int(s), seq_len + 1) for s in starts[c * chunk:(c + 1) * chunk]])
         w = torch.from_numpy(w).to(device)  # (B, T+1)
-        with _autocast(device, dtype):
+        with autocast_context(device, dtype):
             _, ce, _ = compute_loss(model, w[:, :-1], w[:, 1:])
         totals += torch.stack([ce.double() * len(w), torch.tensor(float(len(w)), device=device, dtype=torch.float64)])
     model.train(was_training)
@@ -334,7 +334,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                             f"continue with --resume")
                     break
     except RuntimeError as e:
-        if run.world > 1 and (err := _lost_ranks(e, run.rank, run.step + 1, cfg)) is not None:
+        if run.world > 1 and (err := lost_ranks_error(e, run.rank, run.step + 1, cfg)) is not None:
             raise err from None
         raise
     finally:
@@ -390,7 +390,7 @@ class Run:
 def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
     """Check the batch arithmetic, prepare data, build model and optimizer, resume if asked, then compile/DDP."""
     rank, world, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-    wandb = _wandb_module(cfg) if rank == 0 else None  # fail now if --wandb cannot work, not after data preparation
+    wandb = wandb_module(cfg) if rank == 0 else None  # fail now if --wandb cannot work, not after data preparation
     device, dtype = resolve_device(cfg, local_rank)
     micro = cfg.micro_batch or cfg.global_batch // world
     if cfg.global_batch % (micro * world):
@@ -431,7 +431,7 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
     run.model = compile_and_wrap(run)
     run.stop_at = min(cfg.total_steps(), cfg.stop_step or cfg.total_steps())
     run.sampler = BatchSampler(data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
-    run.peak_flops = _peak_flops_or_say_why(device, run.say)
+    run.peak_flops = peak_flops_or_reason(device, run.say)
     describe(run)
     if wandb is not None:
         run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
@@ -457,7 +457,7 @@ def resume(run: Run):
     restore_rng(state["rng"], run.device)
     run.step, run.best_val, run.skipped = state["step"], state["best_val_loss"], state.get("nonfinite_skipped", 0)
     if run.master:
-        _trim_metrics(run.out_dir, run.step)
+        trim_metrics(run.out_dir, run.step)
     run.say(f"resumed from {meta['path']} at step {run.step}")
 
 
@@ -563,7 +563,7 @@ def accumulate_gradients(run: Run, step: int) -> tuple[torch.Tensor, dict]:
         x, y = (torch.from_numpy(a).to(run.device, non_blocking=True) for a in run.sampler.batch(step, slice(first, first + run.micro)))
         # DDP: all-reduce gradients only on the last micro-step
         with nullcontext() if run.world == 1 or m == run.accum - 1 else run.model.no_sync():
-            with _autocast(run.device, run.dtype):
+            with autocast_context(run.device, run.dtype):
                 loss, ce, aux = compute_loss(run.model, x, y)  # (B, T) tokens -> scalar
             if step + 1 in nan_steps:  # test hook (NAN_ENV): a NaN loss, and so NaN gradients
                 loss, ce = loss * math.nan, ce * math.nan

@@ -74,7 +74,7 @@ def test_ww_alpha_equals_weightwatcher_analyze():
     mats["student_t.weight"] = torch.distributions.StudentT(2.0).sample((96, 160)) * 0.02
     q = torch.linalg.qr(torch.randn(64, 64, generator=g))[0]
     mats["spiked.weight"] = torch.randn(128, 64, generator=g) @ torch.diag(torch.logspace(0, 2, 64)) @ q
-    watcher = alrs._weightwatcher().WeightWatcher()
+    watcher = alrs.weightwatcher_module().WeightWatcher()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pandas deprecation warnings inside weightwatcher
         details = watcher.analyze(mats, plot=False)
@@ -101,9 +101,9 @@ def test_planted_heavy_tail_gives_lower_alpha(fit):
 def test_importing_weightwatcher_leaves_warnings_and_logging_alone():
     """weightwatcher silences all warnings and configures the root logger on import; we contain it."""
     code = ("import logging, warnings\n"
-            "from minimal_asymloop.alrs import _weightwatcher\n"
+            "from minimal_asymloop.alrs import weightwatcher_module\n"
             "filters = list(warnings.filters)\n"
-            "_weightwatcher()\n"
+            "weightwatcher_module()\n"
             "assert warnings.filters == filters, 'warning filters changed'\n"
             "assert not logging.getLogger().handlers, 'root logger configured'\n"
             "warnings.warn('still-visible')\n")

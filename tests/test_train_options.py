@@ -169,7 +169,7 @@ def test_mfu_peak_is_matched_by_exact_product_name(name, peak, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert trainer.gpu_peak_flops(torch.device("cuda", 0)) == peak
     said = []
-    assert trainer._peak_flops_or_say_why(torch.device("cuda", 0), said.append) == peak
+    assert trainer.peak_flops_or_reason(torch.device("cuda", 0), said.append) == peak
     assert len(said) == (peak is None) and all(f"MFU not logged: no peak bf16 FLOP/s is known for {name!r}" in s for s in said)
     assert trainer.gpu_peak_flops(torch.device("cpu")) is None
 
