@@ -1,5 +1,6 @@
-"""System plumbing for training: errors, device and dtype, bf16 autocast, signals, GPU peak FLOP/s for MFU,
-the optional wandb import, the out-dir check, and the DDP lost-rank message. Not part of the method.
+"""System plumbing for training and the benchmarks: errors, device and dtype, bf16 autocast, signals, GPU peak
+FLOP/s for MFU, a device-synchronized timer, the optional wandb import, the out-dir check, and the DDP lost-rank
+message. Not part of the method.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,6 +84,21 @@ def peak_flops_or_reason(device: torch.device, say) -> float | None:
         say(f"MFU not logged: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name(device)!r} "
             f"(add its datasheet's dense figure to PEAK_BF16_FLOPS in minimal_asymloop/system.py)")
     return peak
+
+
+def timeit(fn, device, warmup=2, min_time=1.0, max_iters=50):
+    """Median seconds per call of fn() after warmup."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times, start = [], time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def wandb_module(cfg: TrainConfig):

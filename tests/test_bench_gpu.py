@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from minimal_asymloop import bench
+from minimal_asymloop import bench_gpu
 from minimal_asymloop.model import causal_attention, joint_attention_reference
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -33,8 +33,9 @@ def test_every_section_runs_on_cpu_without_datasets(tmp_path):
         import sys
         sys.modules["datasets"] = None  # any `import datasets` now raises ImportError
         import torch
-        from minimal_asymloop import bench
-        report = bench.gpu_report(torch.device("cpu"), "tiny", None, {str(tmp_path / 'cache')!r}, {str(out)!r})
+        import minimal_asymloop.bench  # the command's module, which `python -m minimal_asymloop.bench gpu` imports
+        from minimal_asymloop import bench_gpu
+        report = bench_gpu.gpu_report(torch.device("cpu"), "tiny", None, {str(tmp_path / 'cache')!r}, {str(out)!r})
         assert "datasets" not in [m.split(".")[0] for m, v in sys.modules.items() if v is not None]
         sys.exit(1 if report["failed"] else 0)
     """)
@@ -65,11 +66,11 @@ def test_a_failing_section_is_reported_and_the_rest_still_run(tmp_path, monkeypa
         raise RuntimeError("CUDA error: an illegal memory access\nwas encountered")
 
     for name in ("gpu_sdpa_backends", "gpu_joint_attention", "gpu_training"):
-        monkeypatch.setattr(bench, name, lambda *a, **k: {})
-    monkeypatch.setattr(bench, "gpu_generation", broken)
-    monkeypatch.setattr(bench, "_say_section", lambda *a: None)
+        monkeypatch.setattr(bench_gpu, name, lambda *a, **k: {})
+    monkeypatch.setattr(bench_gpu, "gpu_generation", broken)
+    monkeypatch.setattr(bench_gpu, "_say_section", lambda *a: None)
     printed = []
-    report = bench.gpu_report(torch.device("cpu"), "tiny", None, str(tmp_path), tmp_path / "r.json", say=printed.append)
+    report = bench_gpu.gpu_report(torch.device("cpu"), "tiny", None, str(tmp_path), tmp_path / "r.json", say=printed.append)
     assert report["failed"] == ["generation"]
     assert report["generation"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert "versions" in report and "training" in report
@@ -79,20 +80,20 @@ def test_a_failing_section_is_reported_and_the_rest_still_run(tmp_path, monkeypa
 
 def test_sdpa_backend_names_the_kernel():
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
-    fused = bench.sdpa_backend(causal_attention, q, k, v)
+    fused = bench_gpu.sdpa_backend(causal_attention, q, k, v)
     assert fused["backend"] == "flash (CPU)"
     assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in fused["ops"]
-    assert bench.sdpa_backend(joint_attention_reference, q, k, v, k, v)["backend"] == "math (unfused)"
+    assert bench_gpu.sdpa_backend(joint_attention_reference, q, k, v, k, v)["backend"] == "math (unfused)"
 
 
 def test_training_summary_states_the_targets():
     row = dict(tokens_per_s=410_000, mfu=0.41)
     said = []
-    bench._say_section("training", dict(rows={"asymloop K=3": row}, targets=dict(asymloop_tokens_per_s=400_000, asymloop_mfu=0.40),
-                                        seconds=1.0), said.append)
+    bench_gpu._say_section("training", dict(rows={"asymloop K=3": row}, targets=dict(asymloop_tokens_per_s=400_000, asymloop_mfu=0.40),
+                                            seconds=1.0), said.append)
     assert "met" in said[0] and "NOT" not in said[0]
     row["mfu"] = 0.3
     said.clear()
-    bench._say_section("training", dict(rows={"asymloop K=3": row}, targets=dict(asymloop_tokens_per_s=400_000, asymloop_mfu=0.40),
-                                        seconds=1.0), said.append)
+    bench_gpu._say_section("training", dict(rows={"asymloop K=3": row}, targets=dict(asymloop_tokens_per_s=400_000, asymloop_mfu=0.40),
+                                            seconds=1.0), said.append)
     assert "NOT met" in said[0]
