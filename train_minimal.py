@@ -24,8 +24,8 @@ import types
 from dataclasses import MISSING, fields
 
 from minimal_asymloop.checkpoint import CheckpointError
-from minimal_asymloop.data import DataError
 from minimal_asymloop.model import ARCHS, PAPER_MOE, PRESETS, ModelConfig
+from minimal_asymloop.sources import DataError
 from minimal_asymloop.trainer import ConfigError, DistributedError, NonFiniteLossError, TrainConfig, train
 
 

@@ -261,8 +261,9 @@ def bench_data(args):
     import pyarrow.parquet as pq
 
     from minimal_asymloop import data as D
+    from minimal_asymloop import sources as S
 
-    _, files = D.stdlib_files()
+    _, files = S.stdlib_files()
     texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files] * args.repeat
     n, mb = len(texts), sum(len(t.encode()) for t in texts) / 1e6
     table = pa.table({"text": texts, "id": [f"<urn:uuid:{i:08d}-bench>" for i in range(n)], "dump": ["CC-MAIN-2024-10"] * n,
@@ -275,8 +276,8 @@ def bench_data(args):
     with tempfile.TemporaryDirectory() as tmp:
         source = str(Path(tmp) / "fineweb-edu-schema.parquet")
         pq.write_table(table, source)
-        tok = D.train_bpe(texts[::max(1, n // 300)], args.vocab)
-        ident, first, streams = D.source_identity(source, None), None, set()
+        tok = S.train_bpe(texts[::max(1, n // 300)], args.vocab)
+        ident, first, streams = S.source_identity(source, None), None, set()
         for w in args.workers:
             best = float("inf")
             for r in range(args.repeats):

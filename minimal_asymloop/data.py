@@ -1,15 +1,7 @@
-"""Data: a source -> a tokenizer -> memory-mapped uint16/uint32 token shards + a held-out val split.
+"""Prepared data: a source's documents -> memory-mapped uint16/uint32 token shards + a held-out val split; the batches.
 
-Sources (`--data`):
-  stdlib       the .py files of the running Python's standard library (ours; offline everywhere)
-  fineweb-edu  HuggingFaceFW/fineweb-edu, streamed with `datasets` (config sample-10BT by default)
-  fineweb-edu-dedup  HuggingFaceTB/smollm-corpus, config fineweb-edu-dedup (the paper's Appendix G data)
-  PATH / GLOB  local .txt, .jsonl or .parquet files with a `text` column, read by `datasets`' local builders
-Tokenizers (`--tokenizer`): "t5" (google-t5/t5-base from the Hub), "smollm" (HuggingFaceTB/SmolLM-135M's,
-49152 tokens, the paper's Appendix G) or "bpe" (byte-level BPE trained
-with `tokenizers` on the train split of the source, cached next to the data).
-
-Preparation runs once per (source, tokenizer) and is cached under `data_cache/`, nanoGPT/llm.c style:
+Where documents and tokenizers come from (stdlib, local files, FineWeb-Edu; BPE, T5, SmolLM; the val split by hash)
+is sources.py. Preparation runs once per (source, tokenizer) and is cached under `data_cache/`, nanoGPT/llm.c style:
 documents are tokenized, joined with an end-of-text token and written as flat binary shards that
 training memory-maps. Tokenizer processes (--data-workers) work on batches while the source streams;
 results are written in source order, so the tokens never depend on the number of workers. Shards are
@@ -20,7 +12,6 @@ pure function of (seed, step), so resume is exact.
 """
 
 import argparse
-import glob
 import hashlib
 import json
 import math
@@ -28,7 +19,6 @@ import multiprocessing
 import os
 import shutil
 import sys
-import sysconfig
 import threading
 import time
 from collections import deque
@@ -38,283 +28,30 @@ from itertools import chain
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from minimal_asymloop import sources
+from minimal_asymloop.sources import (
+    SMOLLM_TOKENIZER,
+    T5_REPO,
+    TOKENIZERS,
+    DataError,
+    default_val_fraction,
+    document_stream,
+    eot_id,
+    is_val,
+    iter_documents,
+    load_smollm_tokenizer,
+    load_t5_tokenizer,
+    require_hub,
+    source_identity,
+    train_bpe,
+)
+
 DATA_FORMAT = 1  # bump when the on-disk layout changes; part of the cache key
-FINEWEB = "HuggingFaceFW/fineweb-edu"
-FINEWEB_CONFIG = "sample-10BT"
-FINEWEB_SAMPLES = {"sample-10BT": 10e9, "sample-100BT": 100e9, "sample-350BT": 350e9}  # GPT-2 tokens, per the dataset card
-T5_REPO = "google-t5/t5-base"
-SMOLLM_CORPUS, SMOLLM_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"  # the paper's Appendix G data
-SMOLLM_TOKENIZER = "HuggingFaceTB/SmolLM-135M"  # the SmolLM tokenizer (vocabulary 49152), the paper's Appendix G
-TOKENIZERS = ("bpe", "t5", "smollm")
-EOT = "<|endoftext|>"  # BPE's document separator (id 0); T5 uses its own "</s>"
 SHARD_TOKENS = 100_000_000  # llm.c-sized shards (ours); a shard is also the unit that an interrupted preparation resumes at
 BATCH_DOCS, BATCH_CHARS = 256, 2_000_000  # one tokenizer task (ours); they fix where a capped preparation stops: keep them
-OFFLINE_ALTERNATIVES = "use --data stdlib (works offline) or --data PATH for local .txt/.jsonl/.parquet files"
-
-
-class DataError(ValueError):
-    """Bad data source, tokenizer or prepared cache; the message says what to do."""
-
-
-# ----------------------------------------------------------------------------- the Hub, failing fast
-
-
-def _offline_env() -> bool:
-    flags = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-    return any(os.environ.get(f, "").upper() in ("1", "ON", "YES", "TRUE") for f in flags)
-
-
-def require_hub(what: str, alternatives: str = OFFLINE_ALTERNATIVES, timeout: float = 5.0):
-    """Raise a clear DataError within seconds when the Hugging Face Hub cannot be reached.
-
-    `datasets` and `huggingface_hub` retry for minutes on a dead network; one short probe first
-    (through huggingface_hub's own session, so proxies and HF_ENDPOINT apply) never hangs.
-    """
-    if _offline_env():
-        raise DataError(f"{what} needs the Hugging Face Hub, but offline mode is on (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE); "
-                        f"{alternatives}")
-    from huggingface_hub import constants, get_session
-
-    try:
-        get_session().head(constants.ENDPOINT, timeout=timeout)
-    except Exception as e:  # any transport failure means "unreachable" here
-        raise DataError(f"{what} needs the Hugging Face Hub, but {constants.ENDPOINT} is unreachable "
-                        f"({type(e).__name__}); {alternatives}") from None
-
-
-def hub_offline_reason(what: str) -> str | None:
-    """Why `what` can only come from the local Hugging Face cache (offline flags, or an unreachable Hub), or None.
-
-    When the Hub is unreachable, switch offline mode on: `datasets` and `huggingface_hub` would otherwise
-    retry for ~30 s per request before failing, and what is already in the cache still loads.
-    """
-    try:
-        require_hub(what, alternatives="")
-        return None
-    except DataError as e:
-        reason = str(e).rstrip("; ")
-    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
-    for mod in ("huggingface_hub.constants", "datasets.config"):  # already imported: they read the env at import
-        if mod in sys.modules:
-            sys.modules[mod].HF_HUB_OFFLINE = True
-    return reason
-
-
-# ----------------------------------------------------------------------------- sources -> documents
-
-
-def stdlib_files() -> tuple[Path, list[Path]]:
-    """The stdlib .py files we train on, sorted. What is left out, and why (ours):
-    site-packages/dist-packages (third-party code living under the stdlib dir); test/tests/idle_test
-    (the test suite is larger than the library and full of fixtures); pydoc_data/topics.py (English
-    prose from the docs, not code); codec tables generated by gencodec.py (encodings/cp*.py etc.:
-    long numeric tables that would make the corpus look easier than Python code is)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip_dirs = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-    files = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in skip_dirs]  # prune: never walk into site-packages
-        for name in names:
-            p = Path(folder) / name
-            rel = p.relative_to(root)
-            if name.endswith(".py") and rel.as_posix() != "pydoc_data/topics.py" and not (
-                    rel.parts[0] == "encodings" and b"Python Character Mapping Codec" in p.read_bytes()[:300]):
-                files.append(p)
-    return root, sorted(files)
-
-
-def _local_files(spec: str) -> list[Path]:
-    p = Path(spec).expanduser()
-    if p.is_dir():
-        files = [f for ext in ("txt", "jsonl", "parquet") for f in p.rglob(f"*.{ext}")]
-    else:
-        files = [Path(f) for f in glob.glob(str(p), recursive=True)]
-    files = sorted(f.resolve() for f in files if f.is_file())
-    if not files:
-        raise DataError(f"no data files found at {spec!r}; pass an existing .txt/.jsonl/.parquet file, a directory or a glob, "
-                        f"or use --data stdlib / --data fineweb-edu")
-    kinds = {f.suffix for f in files}
-    if not kinds <= {".txt", ".jsonl", ".parquet"} or len(kinds) > 1:
-        raise DataError(f"{spec!r} matches files of type {sorted(kinds)}; use files of one type: .txt, .jsonl or .parquet")
-    if all(f.stat().st_size == 0 for f in files):
-        raise DataError(f"the data files at {spec!r} are empty ({len(files)} file(s), 0 bytes); point --data at files with text")
-    return files
-
-
-def _not_utf8(files: list[Path]) -> str:
-    """Name the first file that is not UTF-8, and where (only called after a decode error)."""
-    for f in files:
-        try:
-            f.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            return f"{f} (byte {e.object[e.start]:#04x} at offset {e.start})"
-    return "a data file"
-
-
-def source_identity(source: str, max_tokens: int | None) -> dict:
-    """What makes prepared data different: part of the cache key and of every checkpoint's meta."""
-    if source == "stdlib":
-        root, files = stdlib_files()
-        listing = hashlib.sha256("\n".join(f"{f.relative_to(root)}:{f.stat().st_size}" for f in files).encode()).hexdigest()
-        # the corpus changes with the Python version: it is keyed by it
-        return dict(kind="stdlib", python=sys.version.split()[0], files=len(files), listing=listing[:16], max_tokens=max_tokens)
-    if source == SMOLLM_CONFIG:
-        return dict(kind="smollm-corpus", repo=SMOLLM_CORPUS, config=SMOLLM_CONFIG, max_tokens=max_tokens)
-    if source == "fineweb-edu" or source.startswith("fineweb-edu:"):
-        config = source.split(":", 1)[1] if ":" in source else FINEWEB_CONFIG
-        return dict(kind="fineweb-edu", repo=FINEWEB, config=config, max_tokens=max_tokens)
-    files = _local_files(source)
-    listing = hashlib.sha256("\n".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files).encode()).hexdigest()
-    return dict(kind="local", spec=source, files=len(files), listing=listing[:16], max_tokens=max_tokens)
-
-
-def document_stream(source: str, ident: dict, position: dict | None = None):
-    """(documents, where): an iterator of (doc_key, text) starting at `position`, and where() -> the position
-    after the last document yielded, to resume from (a document count; for `datasets` streams also its state_dict).
-    doc_key picks the val split by hash, so it must be stable."""
-    start = position["docs"] if position else 0
-    if ident["kind"] == "stdlib":
-        root, files = stdlib_files()
-        at = [start]
-
-        def stdlib_docs():
-            for f in files[start:]:
-                at[0] += 1
-                yield f.relative_to(root).as_posix(), f.read_bytes().decode("utf-8", errors="replace")
-        return stdlib_docs(), lambda: dict(docs=at[0])
-    import datasets
-
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a failure becomes our one-line DataError, not a log dump
-    ds, at = None, [start]
-
-    def hub_or_local_docs():
-        nonlocal ds
-        try:
-            if ident["kind"] == "fineweb-edu":
-                require_hub(f"--data {source}")
-                try:
-                    ds = datasets.load_dataset(FINEWEB, name=ident["config"], split="train", streaming=True)
-                except Exception as e:
-                    raise DataError(f"could not open {FINEWEB} ({ident['config']}): {type(e).__name__}: {e}; "
-                                    f"{OFFLINE_ALTERNATIVES}") from None
-            elif ident["kind"] == "smollm-corpus":
-                ds = open_smollm_corpus()
-            else:
-                files = [str(f) for f in _local_files(source)]
-                builder = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}[Path(files[0]).suffix]
-                kwargs = {"sample_by": "document"} if builder == "text" else {}  # one file = one document
-                ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
-            if position and position.get("stream"):
-                ds.load_state_dict(position["stream"])  # resumes inside the right file, without re-reading the ones before
-            for i, row in enumerate(ds, start=start):
-                if "text" not in row:
-                    raise DataError(f"{source!r} has no 'text' column (columns: {sorted(row)}); the data needs a 'text' field per document")
-                at[0] = i + 1
-                yield str(row.get("id", i)), row["text"]
-        except UnicodeDecodeError:  # non-UTF-8 text is refused, never guessed at or replaced (ours)
-            if ident["kind"] != "local":
-                raise
-            raise DataError(f"{_not_utf8(_local_files(source))} is not UTF-8 text; convert it (e.g. iconv -f latin1 -t utf-8) "
-                            f"or remove it") from None
-        except (OSError, ValueError) as e:  # unreadable file, corrupt parquet, malformed JSON lines (pyarrow's errors are ValueErrors)
-            if isinstance(e, DataError) or ident["kind"] != "local":
-                raise
-            raise DataError(f"could not read the data at {source!r}: {type(e).__name__}: {' '.join(str(e).split())}; "
-                            f"fix or remove the bad file") from None
-
-    return hub_or_local_docs(), lambda: dict(docs=at[0], stream=ds.state_dict() if ds is not None else None)
-
-
-def fineweb_for_budget(source: str, budget: int) -> tuple[str, str | None]:
-    """(source, note): the FineWeb-Edu sample to stream for a budget of `budget` train tokens. Plain `fineweb-edu`
-    becomes the smallest sample that holds the budget (with a note saying so); a named sample that is too small is
-    an error that names the fixes. Other sources pass through. Sizes are nominal GPT-2 token counts; other tokenizers differ somewhat."""
-    if not (source == "fineweb-edu" or source.startswith("fineweb-edu:")):
-        return source, None
-    config = source.split(":", 1)[1] if ":" in source else FINEWEB_CONFIG
-    if config not in FINEWEB_SAMPLES or budget <= FINEWEB_SAMPLES[config]:
-        return source, None
-    bigger = [c for c, n in FINEWEB_SAMPLES.items() if n >= budget]
-    if source == "fineweb-edu" and bigger:
-        return f"fineweb-edu:{bigger[0]}", (f"note: the {budget / 1e9:.1f}B-token budget exceeds FineWeb-Edu {config} (about "
-                                            f"{FINEWEB_SAMPLES[config] / 1e9:.0f}B tokens); streaming {bigger[0]} instead")
-    fix = f"use --data fineweb-edu:{bigger[0]}" if bigger else "use --data fineweb-edu:default (the full ~1.3T tokens)"
-    raise DataError(f"the {budget / 1e9:.1f}B-token training budget exceeds FineWeb-Edu {config} "
-                    f"(about {FINEWEB_SAMPLES[config] / 1e9:.0f}B tokens); {fix}, lower --tokens, "
-                    f"or set --max-data-tokens to repeat a smaller sample on purpose")
-
-
-def iter_documents(source: str, ident: dict):
-    """Yield (doc_key, text) for every document of the source, from the start."""
-    return document_stream(source, ident)[0]
-
-
-def open_smollm_corpus():
-    """FineWeb-Edu-dedup from the SmolLM corpus, streamed (the paper's Appendix G data). Rows: text, id, metadata."""
-    import datasets
-
-    require_hub(f"--data {SMOLLM_CONFIG} ({SMOLLM_CORPUS})", OFFLINE_ALTERNATIVES + " with the same 'text' column")
-    try:
-        return datasets.load_dataset(SMOLLM_CORPUS, name=SMOLLM_CONFIG, split="train", streaming=True)
-    except Exception as e:
-        raise DataError(f"could not open {SMOLLM_CORPUS} ({SMOLLM_CONFIG}): {type(e).__name__}: {e}; {OFFLINE_ALTERNATIVES}") from None
-
-
-def default_val_fraction(ident: dict) -> float:
-    """(ours) Share of documents held out: 0.5% of a Hub corpus, 5% of anything else."""
-    return 0.005 if ident["kind"] in ("fineweb-edu", "smollm-corpus") else 0.05
-
-
-def is_val(doc_key: str, val_fraction: float) -> bool:
-    """Held-out documents chosen by a hash of their key: spread over the corpus, not a contiguous tail."""
-    h = int.from_bytes(hashlib.sha1(doc_key.encode()).digest()[:8], "big")
-    return h / 2**64 < val_fraction
-
-
-# ----------------------------------------------------------------------------- tokenizers
-
-
-def hub_tokenizer(repo: str, what: str) -> Tokenizer:
-    """A repo's tokenizer.json: from the local Hugging Face cache if there, else downloaded (failing fast offline)."""
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
-
-    cached = try_to_load_from_cache(repo, "tokenizer.json")
-    if not isinstance(cached, str):
-        require_hub(f"the {what} tokenizer ({repo})", "use --tokenizer bpe (trained locally on the data; with --data stdlib or "
-                    "--data PATH this works offline) or run once online to cache it")
-        cached = hf_hub_download(repo, "tokenizer.json")
-    return Tokenizer.from_file(cached)
-
-
-def load_t5_tokenizer() -> Tokenizer:
-    """The T5 tokenizer (32100 tokens; the paper pads the model's vocabulary to 32128)."""
-    return hub_tokenizer(T5_REPO, "T5")
-
-
-def load_smollm_tokenizer() -> Tokenizer:
-    """The SmolLM tokenizer (49152 tokens, <|endoftext|> = id 0), the paper's Appendix G."""
-    return hub_tokenizer(SMOLLM_TOKENIZER, "SmolLM")
-
-
-def train_bpe(texts, vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style pre-tokenization) with <|endoftext|> as id 0."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    return tok
-
-
-def eot_id(tok: Tokenizer) -> int:
-    for t in (EOT, "</s>"):
-        if tok.token_to_id(t) is not None:
-            return tok.token_to_id(t)
-    raise DataError(f"tokenizer has neither {EOT!r} nor '</s>' to separate documents")
 
 
 # ----------------------------------------------------------------------------- prepared data
@@ -693,7 +430,8 @@ def eval_windows(tokens: Tokens, seq_len: int, count: int) -> np.ndarray:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # sources.py's docstring lists the values of --data and --tokenizer
+    p = argparse.ArgumentParser(description=f"{__doc__}\n{sources.__doc__}", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="stdlib")
     p.add_argument("--tokenizer", default="bpe", choices=TOKENIZERS)
     p.add_argument("--bpe-vocab", type=int, default=8192)

@@ -48,6 +48,7 @@ def held_out_tokens(meta: dict, tokenizer, source: str | None, n_tokens: int | N
     until n_tokens (None: all). The run's data, when its cache is gone, is streamed the same way.
     """
     from minimal_asymloop import data as D
+    from minimal_asymloop import sources as S
 
     tc, dm = meta["train_config"], meta["data"]
     if source is None:
@@ -58,22 +59,22 @@ def held_out_tokens(meta: dict, tokenizer, source: str | None, n_tokens: int | N
                                  val_fraction=tc["val_fraction"], build=False, **bpe)
             if prepared.tokenizer.to_str() == tokenizer.to_str():
                 return prepared.val
-        except (FileNotFoundError, D.DataError):
+        except (FileNotFoundError, S.DataError):
             pass
         source = tc["data"]
         if not quiet:
             print(f"the run's prepared data is not in {tc['data_cache']}; tokenizing the held-out documents of {source!r} again")
-    ident = D.source_identity(source, None)
+    ident = S.source_identity(source, None)
     # the checkpoint's held-out rule; (ours) data.prepare's default fraction when the run left it unset
-    val_fraction = tc["val_fraction"] or D.default_val_fraction(ident)
-    eot, ids = D.eot_id(tokenizer), []
-    for key, text in D.iter_documents(source, ident):
-        if D.is_val(key, val_fraction):
+    val_fraction = tc["val_fraction"] or S.default_val_fraction(ident)
+    eot, ids = S.eot_id(tokenizer), []
+    for key, text in S.iter_documents(source, ident):
+        if S.is_val(key, val_fraction):
             ids += tokenizer.encode(text, add_special_tokens=False).ids + [eot]  # documents joined as in training
             if n_tokens and len(ids) >= n_tokens:
                 break
     if len(ids) < max(2, n_tokens or 0):
-        raise D.DataError(f"{source!r} has {len(ids)} held-out tokens (val_fraction={val_fraction}), fewer than the "
+        raise S.DataError(f"{source!r} has {len(ids)} held-out tokens (val_fraction={val_fraction}), fewer than the "
                           f"{n_tokens} needed; pass --eval-batches all or a smaller number, or use more data")
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
     fd, path = tempfile.mkstemp(suffix=".bin")
@@ -123,7 +124,7 @@ def load_tasks(names: list[str], include_path: str | None = None):
     if unknown:
         raise SystemExit(f"error: unknown task(s) {', '.join(unknown)}; the paper's are {', '.join(PAPER_TASKS)}, "
                          f"any lm-eval task name works (list them with `lm_eval ls tasks`), or pass --include-path DIR for your own YAML")
-    from minimal_asymloop.data import hub_offline_reason
+    from minimal_asymloop.sources import hub_offline_reason
 
     offline = hub_offline_reason("the tasks' data")
     try:  # TaskManager.load is lm-eval >= 0.4.10's API; get_task_dict the older one
@@ -212,7 +213,7 @@ def plot_over_training(rows: list[dict], title: str):
 def evaluate_checkpoint(ckpt: str, args, names, tasks, say=print) -> dict:
     """One checkpoint: held-out CE and perplexity, then (with names) the lm-eval tasks; the report dict."""
     from minimal_asymloop.checkpoint import CheckpointError, load_model
-    from minimal_asymloop.data import DataError
+    from minimal_asymloop.sources import DataError
 
     try:
         model, tokenizer, meta = load_model(ckpt, device=args.device)

@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from minimal_asymloop.checkpoint import load_model, read_meta
-from minimal_asymloop.data import eval_windows, prepare, source_identity
+from minimal_asymloop.data import eval_windows, prepare
 from minimal_asymloop.model import LoopedLM, ModelConfig, count_params
 from minimal_asymloop.probes import global_attention_share, logit_lens, state_norms
+from minimal_asymloop.sources import source_identity
 from minimal_asymloop.tasks import ChainTask, accuracy_by_hops, train_on_task
 from minimal_asymloop.trainer import TrainConfig, read_metrics, train
 

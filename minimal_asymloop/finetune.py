@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minimal_asymloop import checkpoint as ckpt
-from minimal_asymloop.data import DataError, eot_id
+from minimal_asymloop.sources import DataError, eot_id
 from minimal_asymloop.system import autocast_context, resolve_device
 from minimal_asymloop.trainer import TrainConfig, log_metrics, lr_at, param_groups
 
@@ -100,7 +100,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def load_gsm8k(spec: str) -> dict[str, list[dict]]:
     """{"train": [...], "test": [...]}, each a list of {"question", "answer"} rows."""
     if spec == "gsm8k":
-        from minimal_asymloop.data import hub_offline_reason
+        from minimal_asymloop.sources import hub_offline_reason
 
         # an unreachable Hub switches offline mode on, so a cached copy still loads
         offline = hub_offline_reason("the data")

@@ -17,7 +17,7 @@ from lm_eval.api.registry import MODEL_REGISTRY, register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from minimal_asymloop.data import eot_id
+from minimal_asymloop.sources import eot_id
 
 MODEL_NAME = "minimal_asymloop"
 

@@ -68,7 +68,7 @@ def download(repo: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError  # where 0.24 and 2.x both have them
 
-    from minimal_asymloop.data import hub_offline_reason
+    from minimal_asymloop.sources import hub_offline_reason
 
     offline = hub_offline_reason(f"the model {repo}")  # None when reachable; else offline mode, and the cache still serves
     try:
@@ -184,7 +184,7 @@ def push(ckpt, repo: str, private: bool = False, license: str = "mit") -> str:
     """Export `ckpt` and upload it to the Hub repo `repo` (created if needed); returns the repo's URL."""
     from huggingface_hub import HfApi
 
-    from minimal_asymloop.data import require_hub
+    from minimal_asymloop.sources import require_hub
 
     if not REPO_ID.fullmatch(repo.removeprefix(HUB_PREFIX)):
         raise CheckpointError(f"--repo {repo!r} is not a Hub repo id: write owner/name")
@@ -214,7 +214,7 @@ def main(argv=None):
         s.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint), a checkpoint folder or an export")
         s.add_argument("--license", default="mit", help="the model card's license (ours: the code's MIT by default)")
     args = p.parse_args(argv)
-    from minimal_asymloop.data import DataError
+    from minimal_asymloop.sources import DataError
 
     try:
         if args.cmd == "export":

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from minimal_asymloop.checkpoint import CheckpointError, load_model
-from minimal_asymloop.data import EOT
+from minimal_asymloop.sources import EOT
 
 DOC_ENDS = (EOT, "</s>")  # BPE's and T5's document separators
 

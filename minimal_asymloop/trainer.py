@@ -22,9 +22,10 @@ from tqdm import tqdm
 
 from minimal_asymloop import alrs
 from minimal_asymloop import checkpoint as ckpt
-from minimal_asymloop.data import SHARD_TOKENS, TOKENIZERS, BatchSampler, Tokens, eval_windows, fineweb_for_budget, prepare
+from minimal_asymloop.data import SHARD_TOKENS, BatchSampler, Tokens, eval_windows, prepare
 from minimal_asymloop.metrics import log_metrics, plot_metrics, plot_stable_rank, read_metrics, trim_metrics  # noqa: F401 (re-exported)
 from minimal_asymloop.model import LoopedLM, ModelConfig, count_params, flops_per_token
+from minimal_asymloop.sources import TOKENIZERS, fineweb_for_budget
 from minimal_asymloop.system import (  # noqa: F401 (gpu_peak_flops: re-exported for tests)
     ConfigError,
     DistributedError,

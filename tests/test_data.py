@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from minimal_asymloop import data as D
+from minimal_asymloop import sources as S
 
 FINEWEB_COLUMNS = ["text", "id", "dump", "url", "file_path", "language", "language_score", "token_count", "score", "int_score"]
 
@@ -39,14 +40,14 @@ def write_fineweb_parquet(path, n_docs=300, seed=0, first_id=0):
 def test_local_parquet_with_fineweb_schema(tmp_path, monkeypatch):
     texts, ids = write_fineweb_parquet(tmp_path / "part-000.parquet")
     d = D.prepare(str(tmp_path / "*.parquet"), "bpe", 300, str(tmp_path / "cache"), val_fraction=0.1, quiet=True)
-    val_ids = [i for i in ids if D.is_val(i, 0.1)]
+    val_ids = [i for i in ids if S.is_val(i, 0.1)]
     assert d.meta["n_val_docs"] == len(val_ids) > 0 and d.meta["n_train_docs"] == len(ids) - len(val_ids)
     assert d.vocab_size <= 300 and d.meta["dtype"] == "uint16"
     # the val split is exactly the held-out documents, in order, each ended by the end-of-text token
     eot = d.meta["eot_id"]
     val = np.asarray(d.val.window(0, len(d.val)))
     docs = np.split(val, np.flatnonzero(val == eot) + 1)[:-1]
-    held_out = [t for t, i in zip(texts, ids) if D.is_val(i, 0.1)]
+    held_out = [t for t, i in zip(texts, ids) if S.is_val(i, 0.1)]
     assert [d.tokenizer.decode(doc[:-1].tolist()) for doc in docs] == held_out
     assert len(d.train) + len(d.val) == d.meta["n_train_tokens"] + d.meta["n_val_tokens"]
     assert 0 < d.unigram_entropy < np.log(d.vocab_size)
@@ -62,20 +63,20 @@ def test_local_txt_and_jsonl_and_bad_inputs(tmp_path):
     d = D.prepare(str(tmp_path / "txt"), "bpe", 280, str(tmp_path / "cache"), val_fraction=0.2, quiet=True)
     assert d.meta["n_train_docs"] + d.meta["n_val_docs"] == 30  # one .txt file = one document
     (tmp_path / "x.jsonl").write_text('{"content": "no text field"}\n')
-    with pytest.raises(D.DataError, match="no 'text' column"):
+    with pytest.raises(S.DataError, match="no 'text' column"):
         D.prepare(str(tmp_path / "x.jsonl"), "bpe", 280, str(tmp_path / "cache"), quiet=True)
-    with pytest.raises(D.DataError, match="no data files found at .*missing"):
+    with pytest.raises(S.DataError, match="no data files found at .*missing"):
         D.prepare(str(tmp_path / "missing" / "*.parquet"), cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(D.DataError, match="unknown tokenizer 'gpt2'; choose one of bpe, t5"):
+    with pytest.raises(S.DataError, match="unknown tokenizer 'gpt2'; choose one of bpe, t5"):
         D.prepare("stdlib", "gpt2")
 
 
 def test_offline_hub_fails_fast_with_alternatives(tmp_path, monkeypatch):
     t0 = time.time()
-    with pytest.raises(D.DataError, match=r"offline mode is on.*--data stdlib.*--data PATH"):
+    with pytest.raises(S.DataError, match=r"offline mode is on.*--data stdlib.*--data PATH"):
         D.prepare("fineweb-edu", "t5", cache_dir=str(tmp_path))
-    with pytest.raises(D.DataError, match=r"T5 tokenizer.*offline mode.*--tokenizer bpe"):
-        D.load_t5_tokenizer()
+    with pytest.raises(S.DataError, match=r"T5 tokenizer.*offline mode.*--tokenizer bpe"):
+        S.load_t5_tokenizer()
     # no offline flags, but the Hub endpoint refuses connections (a closed local port: no network used)
     from huggingface_hub import constants
 
@@ -83,18 +84,18 @@ def test_offline_hub_fails_fast_with_alternatives(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-    with pytest.raises(D.DataError, match=r"http://127.0.0.1:9 is unreachable .*--data stdlib"):
+    with pytest.raises(S.DataError, match=r"http://127.0.0.1:9 is unreachable .*--data stdlib"):
         D.prepare("fineweb-edu", "bpe", cache_dir=str(tmp_path))
     assert time.time() - t0 < 30  # seconds, never the minutes of datasets' own retries
 
 
 def test_stdlib_corpus_choices():
-    root, files = D.stdlib_files()
+    root, files = S.stdlib_files()
     rel = {f.relative_to(root).as_posix() for f in files}
     assert {"os.py", "json/__init__.py", "asyncio/tasks.py"} <= rel
     assert not any(part in ("site-packages", "test", "tests", "idle_test") for r in rel for part in r.split("/"))
     assert "pydoc_data/topics.py" not in rel and "encodings/cp1252.py" not in rel and "encodings/utf_8.py" in rel
-    val = [r for r in sorted(rel) if D.is_val(r, 0.05)]
+    val = [r for r in sorted(rel) if S.is_val(r, 0.05)]
     assert 0.02 < len(val) / len(rel) < 0.09  # about 5% of files, spread by hash over the alphabet
     assert len({r[0] for r in val}) > 5
 
@@ -128,7 +129,7 @@ def test_tokens_window_crosses_shards(tmp_path):
 def serial_reference(source, tok, val_fraction, max_tokens):
     """The tokens of the serial pipeline that preceded the process pool (one process, batch by batch, stop at the cap
     after a whole batch), kept here to show that workers and shards change no token."""
-    eot, out, total, batch, chars = D.eot_id(tok), {"train": [], "val": []}, 0, [], 0
+    eot, out, total, batch, chars = S.eot_id(tok), {"train": [], "val": []}, 0, [], 0
 
     def flush():
         nonlocal total
@@ -137,8 +138,8 @@ def serial_reference(source, tok, val_fraction, max_tokens):
             total += (len(enc.ids) + 1) * (split == "train")
         batch.clear()
 
-    for key, text in D.iter_documents(source, D.source_identity(source, max_tokens)):
-        batch.append(("val" if D.is_val(key, val_fraction) else "train", text))
+    for key, text in S.iter_documents(source, S.source_identity(source, max_tokens)):
+        batch.append(("val" if S.is_val(key, val_fraction) else "train", text))
         chars += len(text)
         if len(batch) >= 256 or chars >= min(2_000_000, max_tokens or 2_000_000):
             flush()
@@ -200,8 +201,9 @@ def test_interrupted_preparation_resumes_at_its_last_shard(tmp_path, monkeypatch
     before = {f: (work / f).stat().st_mtime_ns for f in progress["files"]}
 
     opened = []
-    stream = D.document_stream
+    stream = S.document_stream
     monkeypatch.setattr(D, "document_batches", batches)
+    # patch data's name for it: the one write_shards calls
     monkeypatch.setattr(D, "document_stream", lambda s, i, position=None: opened.append(position) or stream(s, i, position))
     resumed = D.prepare(source, "bpe", 300, str(tmp_path / "cache"), val_fraction=0.1, quiet=True, workers=1)
     assert opened == [progress["position"]]  # one stream, opened where the last finished shard ended (no BPE retraining either)
@@ -262,20 +264,20 @@ def test_budget_picks_a_fineweb_sample_or_names_the_fix(capsys, tmp_path):
     from minimal_asymloop.model import ModelConfig
     from minimal_asymloop.trainer import ConfigError, TrainConfig, _data_for
 
-    assert D.fineweb_for_budget("fineweb-edu", 1_680_000_000) == ("fineweb-edu", None)
-    assert D.fineweb_for_budget("stdlib", 10**12) == ("stdlib", None)
-    source, note = D.fineweb_for_budget("fineweb-edu", 20 * 10**9)
+    assert S.fineweb_for_budget("fineweb-edu", 1_680_000_000) == ("fineweb-edu", None)
+    assert S.fineweb_for_budget("stdlib", 10**12) == ("stdlib", None)
+    source, note = S.fineweb_for_budget("fineweb-edu", 20 * 10**9)
     assert source == "fineweb-edu:sample-100BT" and "exceeds FineWeb-Edu sample-10BT" in note
-    with pytest.raises(D.DataError, match=r"exceeds FineWeb-Edu sample-10BT .*use --data fineweb-edu:sample-100BT.*--max-data-tokens"):
-        D.fineweb_for_budget("fineweb-edu:sample-10BT", 20 * 10**9)
-    with pytest.raises(D.DataError, match=r"fineweb-edu:default"):
-        D.fineweb_for_budget("fineweb-edu", 400 * 10**9)
+    with pytest.raises(S.DataError, match=r"exceeds FineWeb-Edu sample-10BT .*use --data fineweb-edu:sample-100BT.*--max-data-tokens"):
+        S.fineweb_for_budget("fineweb-edu:sample-10BT", 20 * 10**9)
+    with pytest.raises(S.DataError, match=r"fineweb-edu:default"):
+        S.fineweb_for_budget("fineweb-edu", 400 * 10**9)
     # the 1b preset: the note comes first, then the offline Hub stops it with the sample it would stream
     cfg = TrainConfig.from_preset("1b", data_cache=str(tmp_path))
-    with pytest.raises(D.DataError, match=r"--data fineweb-edu:sample-100BT needs the Hugging Face Hub"):
+    with pytest.raises(S.DataError, match=r"--data fineweb-edu:sample-100BT needs the Hugging Face Hub"):
         _data_for(ModelConfig.from_preset("1b"), cfg, 0, quiet=False)
     assert "20.0B-token budget exceeds FineWeb-Edu sample-10BT (about 10B tokens); streaming sample-100BT" in capsys.readouterr().out
-    with pytest.raises(D.DataError, match="data workers must be a positive integer"):
+    with pytest.raises(S.DataError, match="data workers must be a positive integer"):
         D.prepare("stdlib", workers=0)
     with pytest.raises(ConfigError, match="data_workers must be a positive integer"):
         TrainConfig(max_steps=1, data_workers=0)

@@ -17,7 +17,7 @@ from huggingface_hub.utils import LocalEntryNotFoundError, filter_repo_objects
 
 from minimal_asymloop import checkpoint as ckpt
 from minimal_asymloop import evaluate, hub, sample
-from minimal_asymloop.data import DataError
+from minimal_asymloop.sources import DataError
 
 EXPORT = {"model.safetensors", "config.json", "tokenizer.json", "README.md"}
 
@@ -61,7 +61,7 @@ def fake_hub(tmp_path, monkeypatch):
     fake = FakeHub(tmp_path / "hub")
     monkeypatch.setattr(huggingface_hub, "HfApi", fake.api())
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
-    monkeypatch.setattr("minimal_asymloop.data.require_hub", lambda *a, **k: None)  # "reachable"
+    monkeypatch.setattr("minimal_asymloop.sources.require_hub", lambda *a, **k: None)  # "reachable"
     monkeypatch.chdir(tmp_path)  # bare owner/name ids must not meet a local folder of that name
     return fake
 

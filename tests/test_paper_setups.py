@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from minimal_asymloop import data as D
+from minimal_asymloop import sources as S
 from minimal_asymloop.alrs import DecoderLRBoost
 from minimal_asymloop.model import WIDE_FULL_LOOP_D_FF, LoopedLM, ModelConfig, count_params, flops_per_token, matched_dec_d_ff
 from minimal_asymloop.trainer import ConfigError, TrainConfig, lr_at, make_alrs, param_groups, train
@@ -44,8 +45,8 @@ def smollm_cache(tmp_path, monkeypatch):
 
 
 def test_smollm_tokenizer_loads_from_the_cache(smollm_cache):
-    tok = D.load_smollm_tokenizer()
-    assert tok.to_str() == smollm_cache.to_str() and D.eot_id(tok) == 0
+    tok = S.load_smollm_tokenizer()
+    assert tok.to_str() == smollm_cache.to_str() and S.eot_id(tok) == 0
 
 
 def test_smollm_tokenizer_offline_and_not_cached_fails_fast(tmp_path, monkeypatch):
@@ -53,16 +54,16 @@ def test_smollm_tokenizer_offline_and_not_cached_fails_fast(tmp_path, monkeypatc
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
     t0 = time.time()
-    with pytest.raises(D.DataError, match=r"the SmolLM tokenizer \(HuggingFaceTB/SmolLM-135M\) needs the Hugging Face Hub, "
+    with pytest.raises(S.DataError, match=r"the SmolLM tokenizer \(HuggingFaceTB/SmolLM-135M\) needs the Hugging Face Hub, "
                                           r"but offline mode is on.*--tokenizer bpe"):
         D.prepare("stdlib", "smollm", cache_dir=str(tmp_path / "c"), max_tokens=1000, quiet=True)
     assert time.time() - t0 < 30
 
 
 def test_fineweb_edu_dedup_offline_fails_fast(tmp_path):
-    with pytest.raises(D.DataError, match=r"--data fineweb-edu-dedup needs the Hugging Face Hub, but offline mode is on"):
+    with pytest.raises(S.DataError, match=r"--data fineweb-edu-dedup needs the Hugging Face Hub, but offline mode is on"):
         D.prepare("fineweb-edu-dedup", "bpe", cache_dir=str(tmp_path), quiet=True)
-    assert D.source_identity("fineweb-edu-dedup", None) == dict(kind="smollm-corpus", repo="HuggingFaceTB/smollm-corpus",
+    assert S.source_identity("fineweb-edu-dedup", None) == dict(kind="smollm-corpus", repo="HuggingFaceTB/smollm-corpus",
                                                                 config="fineweb-edu-dedup", max_tokens=None)
 
 
@@ -72,9 +73,9 @@ def test_a_local_copy_of_the_smollm_corpus_prepares_with_the_smollm_tokenizer(sm
     prep = D.prepare(str(path), "smollm", cache_dir=str(tmp_path / "cache"), val_fraction=0.2, quiet=True)
     assert prep.meta["tokenizer"] == dict(name="smollm", repo="HuggingFaceTB/SmolLM-135M")
     assert prep.vocab_size == smollm_cache.get_vocab_size()
-    val_ids = [d["id"] for d in DOCS if D.is_val(d["id"], 0.2)]  # held out by a hash of each row's id
+    val_ids = [d["id"] for d in DOCS if S.is_val(d["id"], 0.2)]  # held out by a hash of each row's id
     assert prep.meta["n_val_docs"] == len(val_ids) > 0 and prep.meta["n_train_docs"] == len(DOCS) - len(val_ids)
-    first = next(d for d in DOCS if not D.is_val(d["id"], 0.2))
+    first = next(d for d in DOCS if not S.is_val(d["id"], 0.2))
     n = len(smollm_cache.encode(first["text"], add_special_tokens=False).ids)
     assert smollm_cache.decode(prep.train.window(0, n).tolist()) == first["text"]
 
