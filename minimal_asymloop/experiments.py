@@ -1,6 +1,6 @@
 """Longer experiments behind the notebooks, precomputed on a CPU into small JSON files.
 
-    python -m minimal_asymloop.experiments all            # every experiment (see below for its cost)
+    python -m minimal_asymloop.experiments all            # every experiment (CPU-hours; the notebooks print each cost)
     python -m minimal_asymloop.experiments matched_depth  # one of: matched_depth, global_kv, chain_task, alrs
     python -m minimal_asymloop.experiments --list
 
@@ -10,11 +10,14 @@ d_ff 256, seq 128, batch 32, 200 steps (0.82M tokens, about 2 tokens per paramet
 EVERY model (as in the paper's context-access study), so architectures differ only in what the paper varies.
 Every arm runs at seeds 0, 1, 2, compared within a seed (same init seed, same data order).
 
-Finished runs are cached in out/experiments/ (one folder per arm and seed) and reused, so an interrupted command
-continues where it stopped; --cached-only writes the JSON from the finished runs alone and lists the missing arms.
-Cost, measured with 1 thread on the shared 2-core machine (load average 3-17): 1-5 minutes per run, depending on
-the architecture and the load; matched_depth's 18 runs took 63 minutes of training, and global_kv adds 12 runs of
-its own (its Global KV twins are matched_depth's runs). chain_task is the earlier one-seed setting (not rerun).
+chain_task trains small models on a synthetic task that needs depth (tasks.ChainTask) until converged or a step limit; alrs is
+the ALRS study of notebook 02, each with a setting of its own (below).
+
+Runs committed in notebooks/results/*.json at the same setting are reused as they are, so a fresh clone trains only
+what is missing (an added arm, a new seed); --fresh trains everything again. Runs finished locally are cached in
+out/experiments/ as well, so an interrupted command continues where it stopped; --cached-only writes the JSON from
+the finished runs alone and lists the missing arms. Every JSON records the command and each run's `seconds` (1 thread
+on a shared 2-core machine, so they depend on the load); the notebooks print the totals.
 """
 
 import argparse
