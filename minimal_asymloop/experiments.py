@@ -134,7 +134,7 @@ def committed_rows(setting: dict, *names: str) -> dict:
     """{(run name, seed): row} of the committed LM runs made at `setting`, from the results files `names`."""
     rows = {}
     for name in names:
-        old = committed(name, setting)
+        old = committed(name, setting, ignore=("seeds",))  # rows are per seed: another seed list reuses the common ones
         rows.update({(r["name"], r["seed"]): r for r in (old or {}).get("runs", [])})
     return rows
 
@@ -236,8 +236,9 @@ def chain_task(quick=False):
     task = ChainTask(**CHAIN_TASK)
     steps, seeds = (40, SEEDS[:1]) if quick else (CHAIN_STEPS, SEEDS)
     setting = chain_setting(steps)
-    done = {} if quick else {(r["name"], r["seed"]): r for r in (committed("chain_task", setting) or {}).get("runs", [])}
-    runs = [done.get((name, seed)) or chain_run(name, cfg, task, setting, seed)
+    old = None if quick else committed("chain_task", setting, ignore=("seeds",))
+    done = {(r["name"], r["seed"]): r for r in (old or {}).get("runs", [])}
+    runs = [done.get((name, seed)) or chain_run(name, cfg, task, setting, seed, cache=not quick)
             for seed in seeds for name, cfg in chain_models(task).items()]  # seed-major: every arm at seed 0 first
     return dict(setting=dict(setting, seeds=list(seeds)), runs=runs)
 
@@ -256,11 +257,11 @@ def chain_models(task: ChainTask) -> dict:
     return models
 
 
-def chain_run(name: str, cfg: ModelConfig, task: ChainTask, setting: dict, seed: int) -> dict:
+def chain_run(name: str, cfg: ModelConfig, task: ChainTask, setting: dict, seed: int, cache: bool = True) -> dict:
     """Train one model on fresh programs until every hop count is at CHAIN_CONVERGED accuracy on held-out programs
     (checked every CHAIN_CHECK steps) or max_steps; cached in out/experiments/chain/ by setting, name and seed."""
     path = RUNS / "chain" / f"{name}-s{seed}.json"
-    if path.exists() and json.loads(path.read_text())["setting"] == setting:
+    if cache and path.exists() and json.loads(path.read_text())["setting"] == setting:
         return json.loads(path.read_text())["run"]
     torch.manual_seed(seed)
     model = LoopedLM(cfg)
@@ -286,8 +287,9 @@ def chain_run(name: str, cfg: ModelConfig, task: ChainTask, setting: dict, seed:
                acc_by_test_k={str(k): {str(h): a for h, a in v.items()} for k, v in acc.items()})
     print(f"  {name:>14} seed {seed}: {run['steps']} steps, converged {run['converged']}, acc by hops "
           f"{ {h: round(a, 2) for h, a in acc[cfg.n_iter].items()} } ({seconds:.0f}s)", flush=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(setting=setting, run=run)))
+    if cache:  # (a --quick run is not cached: it would overwrite a real run of the same name and seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, dict(setting=setting, run=run))
     return run
 
 
@@ -406,8 +408,8 @@ def alrs_experiment(quick=False):
     runs: list[dict] = []
     state: dict = {}  # best LRs, spectra, the scaled-uniform LR: filled in as the queue gets there
     t_start = time.time()
-    # runs committed at this setting are reused (the grids may have grown at an edge, so they are not compared)
-    old = None if quick else committed("alrs", setting_of(steps, seeds, lrs), ignore=("lr_grids",))
+    # runs committed at this setting are reused (the grids may have grown at an edge, and runs are per seed)
+    old = None if quick else committed("alrs", setting_of(steps, seeds, lrs), ignore=("lr_grids", "seeds", "regenerate"))
     if old:
         runs += old["runs"]
         lrs = {arm: tuple(grid) for arm, grid in old["setting"]["lr_grids"].items()}

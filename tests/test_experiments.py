@@ -102,6 +102,11 @@ def test_alrs_study_reuses_the_committed_runs_of_its_setting(monkeypatch, tmp_pa
     assert calls == everything
     monkeypatch.setattr(ex, "FRESH", False)
     calls.clear()
+    monkeypatch.setattr(ex, "SEEDS", (0, 1, 2, 3))  # one more seed: the committed seeds are reused, the spectra too
+    ex.alrs_experiment()
+    assert calls and all(c[2] == 3 or c[0] == "uniform_top" for c in calls)
+    monkeypatch.setattr(ex, "SEEDS", (0, 1, 2))
+    calls.clear()
     monkeypatch.setattr(ex, "ALRS_STEPS", 100)  # another setting (fewer steps) reuses nothing
     ex.alrs_experiment()
     assert len(calls) == len(everything)
@@ -120,3 +125,23 @@ def test_lm_runs_reuse_committed_rows_of_the_same_setting(monkeypatch, tmp_path)
     with pytest.raises(AssertionError, match="trained"):  # same name, other architecture fields: not reused
         ex.run_lm("asymloop_k5_no_local", ex.lm_config("asymloop", n_iter=5), 1, 200, batch=None, done=done)
     assert ex.committed_rows(ex.lm_setting(100, (0, 1, 2)), "global_kv") == {}
+    assert ex.committed_rows(ex.lm_setting(200, (0, 1, 2, 3)), "global_kv") == done  # more seeds: the committed ones reused
+
+
+def test_chain_task_reuses_committed_runs_and_trains_the_missing_seeds(monkeypatch, tmp_path):
+    monkeypatch.setattr(ex, "RESULTS", tmp_path)
+    trained = []
+
+    def fake_run(name, cfg, task, setting, seed, cache=True):
+        trained.append((name, seed))
+        return dict(name=name, seed=seed)
+
+    monkeypatch.setattr(ex, "chain_run", fake_run)
+    monkeypatch.setattr(ex, "SEEDS", (0,))
+    first = ex.chain_task()
+    assert trained == [(n, 0) for n in ex.chain_models(ex.ChainTask(**ex.CHAIN_TASK))]
+    (tmp_path / "chain_task.json").write_text(json.dumps(first))
+    trained.clear()
+    monkeypatch.setattr(ex, "SEEDS", (0, 1))
+    both = ex.chain_task()
+    assert trained and all(seed == 1 for _, seed in trained) and len(both["runs"]) == 2 * len(trained)
