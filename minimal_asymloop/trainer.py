@@ -375,6 +375,7 @@ class Run:
     sampler: BatchSampler = None
     bar: tqdm = None
     wandb: object = None  # the wandb run (rank 0, --wandb), or None
+    wandb_id: str | None = None  # the W&B run a resumed run continues (saved in every checkpoint)
     peak_flops: float | None = None  # GPU peak bf16 dense FLOP/s for MFU, None: no MFU
     step: int = 0  # optimizer steps done
     stop_at: int = 0
@@ -435,8 +436,9 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
     run.peak_flops = peak_flops_or_reason(device, run.say)
     describe(run)
     if wandb is not None:
-        run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
-                               config=dict(model=model_cfg.to_dict(), train=asdict(cfg), params=count_params(model_cfg)))
+        run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,  # a resumed run continues its W&B run
+                               config=dict(model=model_cfg.to_dict(), train=asdict(cfg), params=count_params(model_cfg)),
+                               id=run.wandb_id, resume="allow" if run.wandb_id else None)
     run.bar = tqdm(total=cfg.total_steps(), initial=run.step, disable=not run.master or cfg.quiet, unit="step", dynamic_ncols=True)
     return run
 
@@ -457,6 +459,7 @@ def resume(run: Run):
         run.lr_hook.load_state_dict(state["lr_hook"])
     restore_rng(state["rng"], run.device)
     run.step, run.best_val, run.skipped = state["step"], state["best_val_loss"], state.get("nonfinite_skipped", 0)
+    run.wandb_id = state.get("wandb_id")
     if run.master:
         trim_metrics(run.out_dir, run.step)
     run.say(f"resumed from {meta['path']} at step {run.step}")
@@ -619,7 +622,7 @@ def save(run: Run, val_loss: float | None, best: bool):
     cfg, data = run.cfg, run.data
     state = dict(step=run.step, samples_seen=run.step * cfg.global_batch, optimizer=run.optimizer.state_dict(), best_val_loss=run.best_val,
                  rng=rng_state(run.device), lr_hook=run.lr_hook.state_dict() if run.lr_hook is not None else None,
-                 nonfinite_skipped=run.skipped)
+                 nonfinite_skipped=run.skipped, wandb_id=run.wandb.id if run.wandb is not None else run.wandb_id)
     meta = dict(model_config=run.model_cfg.to_dict(), train_config=asdict(cfg), params=count_params(run.model_cfg),
                 data=dict(source=cfg.data, identity=data.meta["identity"], tokenizer=data.meta["tokenizer"], vocab_size=data.vocab_size,
                           unigram_entropy=data.unigram_entropy),

@@ -4,7 +4,7 @@ stable-rank logging, kept checkpoints and the cap on skipped non-finite steps.""
 import json
 import sys
 import warnings
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,6 +71,21 @@ def test_wandb_offline_logs_exactly_the_rows_of_metrics_jsonl(tiny_configs, tmp_
     (kw, run), = runs
     assert (kw["project"], kw["name"], kw["config"]["train"]["lr"]) == ("test-project", "tiny", tcfg.lr)
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb")), "the offline run wrote no file"
+
+
+@pytest.mark.slow  # wandb starts its service process, twice
+@pytest.mark.extra
+def test_a_resumed_run_continues_its_wandb_run(tiny_configs, tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason='wandb is an optional extra: pip install -e ".[wandb]"')
+    for k, v in dict(WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true").items():
+        monkeypatch.setenv(k, v)
+    runs, init = [], wandb.init
+    monkeypatch.setattr(wandb, "init", lambda **kw: runs.append((kw, init(**kw))) or runs[-1][1])
+    mcfg, tcfg = tiny_configs(max_steps=4, eval_interval=2, stop_step=2, wandb=True)
+    train(mcfg, tcfg)  # stopped at step 2, as if interrupted
+    train(mcfg, replace(tcfg, stop_step=None, resume=True))
+    (kw1, run1), (kw2, run2) = runs
+    assert kw1["id"] is None and kw2["id"] == run1.id and kw2["resume"] == "allow" and run2.id == run1.id
 
 
 # ----------------------------------------------------------------------------- compile
