@@ -2,7 +2,7 @@
 
     python docs/make_figures.py          # writes docs/asymloop.png and docs/notebook_results.png
 
-The second figure reads the precomputed runs in notebooks/results/ (written by
+The second figure reads the precomputed runs in notebooks/results/ (matched_depth.json and chain_task.json) (written by
 `python -m minimal_asymloop.experiments all`); run this again after they change.
 """
 
@@ -110,13 +110,21 @@ PAIRS = [("depth 4 (L)", "dense", "asymloop_k1", "Dense", "AsymLoop K=1", (23.72
 
 
 def results_figure() -> Figure:
-    """AsymLoop minus its matched-depth baseline in validation cross-entropy, within seed (mean ± std over seeds, each
-    seed a dot), beside the paper's 60M difference ln(PPL_AsymLoop / PPL_baseline)."""
+    """Left: AsymLoop minus its matched-depth baseline in validation cross-entropy, within seed (mean ± std over seeds,
+    each seed a dot), beside the paper's 60M difference ln(PPL_AsymLoop / PPL_baseline). Right: accuracy on the
+    binding-chain task's 3-hop statements against effective depth, Dense vs AsymLoop vs Full Loop."""
+    fig = Figure(figsize=(13, 4), dpi=150)
+    left, right = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1.1, 1]))
+    matched_depth_panel(left)
+    chain_panel(right)
+    fig.tight_layout()
+    return fig
+
+
+def matched_depth_panel(ax):
     runs = {}
     for r in json.loads((RESULTS / "matched_depth.json").read_text())["runs"]:
         runs.setdefault(r["name"], {})[r["seed"]] = r["val_loss"]
-    fig = Figure(figsize=(8, 3.8), dpi=150)
-    ax = fig.subplots()
     n_seeds = set()
     for i, (_, base, asym, _, _, (ppl_base, ppl_asym)) in enumerate(PAIRS):
         seeds = sorted(set(runs.get(base, {})) & set(runs.get(asym, {})))
@@ -133,16 +141,41 @@ def results_figure() -> Figure:
                 label="paper, 60M (ln of the PPL ratio)" if i == 0 else None)
         ax.text(i + 0.2, mean, f"{mean:+.3f}", va="center", fontsize=8)
     ax.axhline(0, color="0.4", lw=0.8)
-    ax.set_xticks(range(len(PAIRS)), [f"{p[0]}\n{p[4]} − {p[3]}" for p in PAIRS], fontsize=8)
+    ax.set_xticks(range(len(PAIRS)), [f"{p[0]}\n{p[4]}\n− {p[3]}" for p in PAIRS], fontsize=8)
     ax.set_xlim(-0.6, len(PAIRS) - 0.4)
     ax.set_ylabel("Δ validation cross-entropy (nats/token)\nbelow 0: AsymLoop is better")
     seeds = "/".join(str(n) for n in sorted(n_seeds))
-    ax.set_title(f"AsymLoop vs its matched-depth baseline, within seed ({seeds} seeds; tiny CPU setting, ~2 tokens/param)",
-                 fontsize=9)
+    ax.set_title(f"Language modelling: AsymLoop vs its matched-depth baseline\n(within seed, {seeds} seeds; "
+                 "tiny CPU setting, ~2 tokens/param)", fontsize=9)
     ax.legend(fontsize=7.5, loc="lower left")
     ax.grid(axis="y", lw=0.3)
-    fig.tight_layout()
-    return fig
+
+
+CHAIN_STYLE = {"dense": ("black", "s", "Dense, L = 1..4"), "asymloop": ("#e6550d", "o", "AsymLoop E = D = 1, K = 1..5"),
+               "full_loop": ("#3182bd", "^", "Full Loop L = 2, K = 2")}
+
+
+def chain_panel(ax, hops: int = 3):
+    ct = json.loads((RESULTS / "chain_task.json").read_text())
+    by = {}
+    for r in ct["runs"]:
+        by.setdefault((r["arch"], r["effective_depth"]), []).append(r["acc_by_test_k"][str(r["n_iter"])][str(hops)])
+    for j, (arch, (color, marker, label)) in enumerate(CHAIN_STYLE.items()):
+        depths = sorted(d for a, d in by if a == arch)
+        acc = [by[(arch, d)] for d in depths]
+        mean = [statistics.fmean(a) for a in acc]  # bars span min..max over seeds: one seed may solve it, another not
+        ax.errorbar([d + 0.06 * (j - 1) for d in depths], mean, yerr=[[m - min(a) for m, a in zip(mean, acc)],
+                    [max(a) - m for m, a in zip(mean, acc)]], color=color, marker=marker, capsize=3, label=label)
+    ax.axhline(1.0, color="0.8", lw=0.8)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("effective depth (blocks a token passes through)")
+    ax.set_ylabel(f"accuracy on {hops}-hop statements\n(held-out programs; mean, bars: min–max over seeds)")
+    n = len(ct["setting"]["seeds"])
+    ax.set_title(f"A task that needs depth: variable-binding chains\n(trained until converged or "
+                 f"{ct['setting']['max_steps']:,} steps, {n} seeds)", fontsize=9)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=7.5, loc="lower right")
+    ax.grid(axis="y", lw=0.3)
 
 
 def main():
