@@ -14,14 +14,15 @@ import sys
 import torch
 
 from minimal_asymloop.checkpoint import CheckpointError, load_model
-from minimal_asymloop.sources import EOT
-
-DOC_ENDS = (EOT, "</s>")  # BPE's and T5's document separators
+from minimal_asymloop.sources import DataError, eot_id
 
 
-def doc_end_id(tokenizer):
-    ids = [tokenizer.token_to_id(t) for t in DOC_ENDS]
-    return next((i for i in ids if i is not None), None)
+def doc_end_id(tokenizer) -> int | None:
+    """The tokenizer's document separator (BPE's or T5's, as `sources.eot_id` finds it), or None if it has none."""
+    try:
+        return eot_id(tokenizer)
+    except DataError:
+        return None
 
 
 def encode_prompt(tokenizer, prompt: str, vocab_size: int) -> list[int]:

@@ -90,3 +90,16 @@ def test_prompt_outside_the_model_vocabulary_is_refused(tiny_checkpoint, capsys)
     model.config.vocab_size = 8  # as if the tokenizer were bigger than the model it was saved with
     with pytest.raises(ValueError, match="tokenizer does not match its model"):
         sample(model, tok, "def main():", max_new_tokens=1)
+
+
+def test_an_empty_prompt_starts_a_document_or_asks_for_a_prompt():
+    from tokenizers import Tokenizer, models
+
+    from minimal_asymloop.sample import encode_prompt
+    from minimal_asymloop.sources import train_bpe
+
+    bpe = train_bpe(["def f(x): return x"] * 20, 300)
+    assert encode_prompt(bpe, "", 300) == [0]  # <|endoftext|> is id 0: a fresh document
+    bare = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))  # no document separator at all
+    with pytest.raises(ValueError, match="no document separator to start from; give a --prompt"):
+        encode_prompt(bare, "", 2)
