@@ -169,7 +169,7 @@ def chain_panel(ax, hops: int = 3):
     ax.axhline(1.0, color="0.8", lw=0.8)
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("effective depth (blocks a token passes through)")
-    ax.set_ylabel(f"accuracy on {hops}-hop statements\n(held-out programs; mean, bars: min–max over seeds)")
+    ax.set_ylabel(f"{hops}-hop accuracy, held-out programs\n(mean; bars: min–max over seeds)")
     n = len(ct["setting"]["seeds"])
     ax.set_title(f"A task that needs depth: variable-binding chains\n(trained until converged or "
                  f"{ct['setting']['max_steps']:,} steps, {n} seeds)", fontsize=9)
