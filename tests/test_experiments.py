@@ -137,6 +137,7 @@ def test_chain_task_reuses_committed_runs_and_trains_the_missing_seeds(monkeypat
         return dict(name=name, seed=seed)
 
     monkeypatch.setattr(ex, "chain_run", fake_run)
+    monkeypatch.setattr(ex, "SEEDS_SET", True)  # as with --seeds 0
     monkeypatch.setattr(ex, "SEEDS", (0,))
     first = ex.chain_task()
     assert trained == [(n, 0) for n in ex.chain_models(ex.ChainTask(**ex.CHAIN_TASK))]
@@ -145,3 +146,13 @@ def test_chain_task_reuses_committed_runs_and_trains_the_missing_seeds(monkeypat
     monkeypatch.setattr(ex, "SEEDS", (0, 1))
     both = ex.chain_task()
     assert trained and all(seed == 1 for _, seed in trained) and len(both["runs"]) == 2 * len(trained)
+
+
+def test_chain_task_runs_its_own_five_seeds_unless_told(monkeypatch, tmp_path):
+    monkeypatch.setattr(ex, "RESULTS", tmp_path)
+    monkeypatch.setattr(ex, "chain_run", lambda name, cfg, task, setting, seed, cache=True: dict(name=name, seed=seed))
+    assert ex.chain_task()["setting"]["seeds"] == list(ex.CHAIN_SEEDS) == [0, 1, 2, 3, 4]  # plain `chain_task` or `all`
+    for name in ("SEEDS", "SEEDS_SET", "STEPS", "STEPS_SET", "CACHED_ONLY", "FRESH"):  # main() sets them: restore after
+        monkeypatch.setattr(ex, name, getattr(ex, name))
+    ex.main(["chain_task", "--seeds", "7", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "chain_task.json").read_text())["setting"]["seeds"] == [7]
