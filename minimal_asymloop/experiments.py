@@ -241,6 +241,9 @@ def chain_task(quick=False):
     done = {(r["name"], r["seed"]): r for r in (old or {}).get("runs", [])}
     runs = [done.get((name, seed)) or chain_run(name, cfg, task, setting, seed, cache=not quick)
             for seed in seeds for name, cfg in chain_models(task).items()]  # seed-major: every arm at seed 0 first
+    for r in runs:  # the training budget each run used (steps differ: a converged run stops early)
+        r["tokens"] = r["steps"] * CHAIN_BATCH * task.seq_len
+        r["tokens_per_param"] = r["tokens"] / r["params"]
     return dict(setting=dict(setting, seeds=list(seeds)), runs=runs)
 
 

@@ -134,7 +134,7 @@ def test_chain_task_reuses_committed_runs_and_trains_the_missing_seeds(monkeypat
 
     def fake_run(name, cfg, task, setting, seed, cache=True):
         trained.append((name, seed))
-        return dict(name=name, seed=seed)
+        return dict(name=name, seed=seed, steps=100, params=1000)
 
     monkeypatch.setattr(ex, "chain_run", fake_run)
     monkeypatch.setattr(ex, "SEEDS_SET", True)  # as with --seeds 0
@@ -146,11 +146,13 @@ def test_chain_task_reuses_committed_runs_and_trains_the_missing_seeds(monkeypat
     monkeypatch.setattr(ex, "SEEDS", (0, 1))
     both = ex.chain_task()
     assert trained and all(seed == 1 for _, seed in trained) and len(both["runs"]) == 2 * len(trained)
+    first = both["runs"][0]
+    assert first["tokens"] == 100 * ex.CHAIN_BATCH * 32 and first["tokens_per_param"] == first["tokens"] / 1000  # the budget
 
 
 def test_chain_task_runs_its_own_five_seeds_unless_told(monkeypatch, tmp_path):
     monkeypatch.setattr(ex, "RESULTS", tmp_path)
-    monkeypatch.setattr(ex, "chain_run", lambda name, cfg, task, setting, seed, cache=True: dict(name=name, seed=seed))
+    monkeypatch.setattr(ex, "chain_run", lambda name, cfg, task, setting, seed, cache=True: dict(name=name, seed=seed, steps=1, params=1))
     assert ex.chain_task()["setting"]["seeds"] == list(ex.CHAIN_SEEDS) == [0, 1, 2, 3, 4]  # plain `chain_task` or `all`
     for name in ("SEEDS", "SEEDS_SET", "STEPS", "STEPS_SET", "CACHED_ONLY", "FRESH"):  # main() sets them: restore after
         monkeypatch.setattr(ex, name, getattr(ex, name))
