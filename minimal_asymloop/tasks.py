@@ -143,5 +143,4 @@ def train_on_task(model, task: ChainTask, steps: int = 600, batch_size: int = 32
             print(f"step {step:5d} loss {loss.item():.3f}")
         if check_every and (step + 1) % check_every == 0 and check(step + 1, model):
             break
-    model.train()
     return losses
