@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from minimal_asymloop.checkpoint import load_model, read_meta
 from minimal_asymloop.data import eval_windows, prepare
@@ -258,6 +259,9 @@ def chain_models(task: ChainTask) -> dict:
     models = {f"dense_l{n}": ModelConfig(arch="dense", n_layer=n, **base) for n in range(1, 5)}
     models.update({f"asymloop_k{k}": ModelConfig(arch="asymloop", n_layer=2, n_iter=k, **base) for k in range(1, 6)})
     models["full_loop_k2"] = ModelConfig(arch="full_loop", n_layer=2, n_iter=2, **base)
+    # context access at matched effective depth 4 (beside asymloop_k3, full_loop_k2 and dense_l4): the paper's ablations
+    models.update({f"asymloop_k3_{v}": ModelConfig(arch="asymloop", n_layer=2, n_iter=3, **base, **CONTEXTS[v])
+                   for v in CONTEXTS})
     return models
 
 
@@ -293,6 +297,7 @@ def chain_run(name: str, cfg: ModelConfig, task: ChainTask, setting: dict, seed:
           f"{ {h: round(a, 2) for h, a in acc[cfg.n_iter].items()} } ({seconds:.0f}s)", flush=True)
     if cache:  # (a --quick run is not cached: it would overwrite a real run of the same name and seed)
         path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(model.state_dict(), str(path.with_suffix(".safetensors")))  # the trained weights, for probing
         write_json(path, dict(setting=setting, run=run))
     return run
 
