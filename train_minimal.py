@@ -24,9 +24,11 @@ import types
 from dataclasses import MISSING, fields
 
 from minimal_asymloop.checkpoint import CheckpointError
+from minimal_asymloop.config import TrainConfig
 from minimal_asymloop.model import ARCHS, PAPER_MOE, PRESETS, ModelConfig
 from minimal_asymloop.sources import DataError
-from minimal_asymloop.trainer import ConfigError, DistributedError, NonFiniteLossError, TrainConfig, train
+from minimal_asymloop.system import ConfigError, DistributedError
+from minimal_asymloop.trainer import NonFiniteLossError, train
 
 
 def _parse_bool(s: str) -> bool:

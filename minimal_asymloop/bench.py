@@ -194,7 +194,7 @@ def bench_alrs(args):
 
 def time_train_step(cfg, batch, seq, device, dtype, args) -> float:
     """Median seconds of one optimizer step (forward, backward, AdamW) on random tokens."""
-    from minimal_asymloop.trainer import param_groups
+    from minimal_asymloop.optim import param_groups
 
     torch.manual_seed(0)
     model = LoopedLM(cfg).to(device)
@@ -215,7 +215,7 @@ def time_train_step(cfg, batch, seq, device, dtype, args) -> float:
 
 def bench_train(args):
     """Timed optimizer steps (forward, backward, AdamW) of the three architectures at one size, side by side."""
-    from minimal_asymloop.trainer import TRAIN_PRESETS
+    from minimal_asymloop.config import TRAIN_PRESETS
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -187,7 +187,7 @@ def _bench_tokens(cache_dir, n_tokens: int, bpe_vocab: int):
 
 def gpu_train_row(cfg, x, device, dtype, compile_backend, min_time, max_steps) -> dict:
     """One architecture's optimizer steps (forward, backward, fused AdamW on CUDA) on the batch x (B, N+1)."""
-    from minimal_asymloop.trainer import param_groups
+    from minimal_asymloop.optim import param_groups
 
     torch.manual_seed(0)
     model = LoopedLM(cfg).to(device)

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -189,10 +190,8 @@ def load_weights(model: LoopedLM, ckpt: Path):
 def load_model(path, device="cpu") -> tuple[LoopedLM, Tokenizer, dict]:
     """(model in eval mode on `device`, tokenizer, meta) from a checkpoint folder, a run's out_dir, an export,
     or a Hugging Face Hub repo id (`owner/name` or `hf:owner/name`; the rule is in hub.py)."""
-    from minimal_asymloop import hub
-
-    repo = hub.hub_repo_id(path)
-    meta = read_meta(hub.resolve(path))
+    repo = hub_repo_id(path)
+    meta = read_meta(resolve(path))
     if repo:
         meta["hub_repo"] = repo
     ckpt = Path(meta["path"])
@@ -219,3 +218,58 @@ def load_state(path) -> dict:
                                   f"malicious or not written by this trainer); resume from a checkpoint you trust") from None
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: state.pt cannot be loaded ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]})") from None
+
+
+HUB_PREFIX = "hf:"
+ALLOW = ["*.safetensors", "*.json"]  # weights, config, tokenizer: data only, never code or pickles
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # owner/name, as the Hub spells repo ids
+
+
+# ----------------------------------------------------------------------------- --ckpt: a local path or a Hub repo
+
+
+def hub_repo_id(spec: str) -> str | None:
+    """The Hub repo id that `spec` names, or None when it names a local path (the rule in the module doc)."""
+    spec = str(spec)
+    if spec.startswith(HUB_PREFIX):
+        repo = spec[len(HUB_PREFIX):].lstrip("/")  # hf:owner/name or hf://owner/name
+        if not REPO_ID.fullmatch(repo):
+            raise CheckpointError(f"{spec!r} is not a Hub repo id: write hf:owner/name")
+        return repo
+    if Path(spec).expanduser().exists() or not REPO_ID.fullmatch(spec) or Path(spec.split("/")[0]).is_dir():
+        return None
+    return spec
+
+
+def resolve(spec) -> Path:
+    """A local folder for --ckpt `spec`: itself when local, else a download of the Hub repo's weights and JSON."""
+    repo = hub_repo_id(spec)
+    if repo is None:
+        path = Path(spec).expanduser()
+        if not path.exists() and REPO_ID.fullmatch(str(spec)):  # owner/name whose owner is a local folder
+            raise CheckpointError(f"no checkpoint at {spec}: read as a local path because ./{str(spec).split('/')[0]} is a "
+                                  f"folder; for the Hub repo {spec} write hf:{spec}")
+        return path
+    if not str(spec).startswith(HUB_PREFIX):  # say which reading was taken: a typo'd local path must not pass unnoticed
+        print(f"{spec}: no local folder of that name; loading the Hugging Face Hub repo {repo} "
+              f"(write ./{spec} for a local path)", file=sys.stderr)
+    return download(repo)
+
+
+def download(repo: str) -> Path:
+    """The Hub repo's *.safetensors and *.json in the local Hugging Face cache (fetched once); fails fast offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError  # where 0.24 and 2.x both have them
+
+    from minimal_asymloop.sources import hub_offline_reason
+
+    offline = hub_offline_reason(f"the model {repo}")  # None when reachable; else offline mode, and the cache still serves
+    try:
+        return Path(snapshot_download(repo, allow_patterns=ALLOW))
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
+        raise CheckpointError(f"the Hugging Face Hub has no model repo {repo} that you can read ({type(e).__name__}); check "
+                              f"the name, or log in with `hf auth login` for a private or gated repo") from None
+    except (OSError, ValueError) as e:  # LocalEntryNotFoundError (not cached, offline), connection errors, invalid ids
+        why = offline or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        raise CheckpointError(f"cannot load {repo}: {why}, and it is not in the local Hugging Face cache; run once with the "
+                              f"Hub reachable, or pass a local folder (an export or a run's out_dir)") from None

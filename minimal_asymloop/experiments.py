@@ -33,17 +33,18 @@ import torch
 from safetensors.torch import save_file
 
 from minimal_asymloop.checkpoint import load_model, read_meta
+from minimal_asymloop.config import TrainConfig
 from minimal_asymloop.data import eval_windows, prepare
-from minimal_asymloop.model import LoopedLM, ModelConfig, count_params
+from minimal_asymloop.flops import count_params
+from minimal_asymloop.metrics import read_metrics
+from minimal_asymloop.model import LoopedLM, ModelConfig
+from minimal_asymloop.paths import DATA_CACHE, OUT, REPO, RESULTS  # noqa: F401 (REPO re-exported for the notebooks)
 from minimal_asymloop.probes import global_attention_share, logit_lens, state_norms
 from minimal_asymloop.sources import source_identity
 from minimal_asymloop.tasks import ChainTask, accuracy_by_hops, train_on_task
-from minimal_asymloop.trainer import TrainConfig, read_metrics, train
+from minimal_asymloop.trainer import train
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "notebooks" / "results"
-DATA_CACHE = str(REPO / "data_cache")  # one cache shared by the notebooks, whatever their cwd
-RUNS = REPO / "out" / "experiments"
+RUNS = OUT / "experiments"
 
 # (ours) the tiny LM setting of every experiment
 # (ours) sized so that 200 steps of 32 x 128 tokens give >= 2 tokens per parameter (0.41M params, 0.82M tokens)

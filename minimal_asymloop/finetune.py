@@ -30,9 +30,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minimal_asymloop import checkpoint as ckpt
+from minimal_asymloop.config import TrainConfig
+from minimal_asymloop.metrics import log_metrics
+from minimal_asymloop.optim import lr_at, param_groups
 from minimal_asymloop.sources import DataError, eot_id
 from minimal_asymloop.system import autocast_context, resolve_device
-from minimal_asymloop.trainer import TrainConfig, log_metrics, lr_at, param_groups
 
 GSM8K, GSM8K_CONFIG = "openai/gsm8k", "main"
 PROMPT = "Question: {question}\nAnswer:"  # (ours) the paper uses no demonstrations and states no template

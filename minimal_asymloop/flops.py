@@ -1,24 +1,18 @@
 """Analytical cost of a `ModelConfig`: exact parameters and forward FLOPs per token (the paper's Appendix D),
-and the size and matched-baseline tables that `python -m minimal_asymloop.model` prints.
-
-model.py re-exports count_params, flops_per_token, matched_dec_d_ff and sizes_table, so the model's
-names are imported here inside the functions that need them.
+and the size and matched-baseline tables that `python -m minimal_asymloop.flops` prints.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from minimal_asymloop.model import ModelConfig
+from minimal_asymloop.model import ARCHS, WIDE_FULL_LOOP_D_FF, LoopedLM, ModelConfig
 
 
 def count_params(cfg: ModelConfig) -> int:
     """Exact parameter count, from a model built on the meta device (no memory used)."""
-    from minimal_asymloop.model import LoopedLM  # late: model.py re-exports this module's functions
     with torch.device("meta"):
         return sum(p.numel() for p in LoopedLM(cfg).parameters())
 
@@ -61,7 +55,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
 
 def sizes_table(seq_len: int = 1024) -> str:
     """Markdown table of parameters and forward FLOPs/token for the paper's sizes."""
-    from minimal_asymloop.model import ARCHS, ModelConfig
     rows = ["| size | arch | K | eff. depth | params | fwd GFLOPs/token | Global KV share |",
             "|---|---|---|---|---|---|---|"]
     for size in ("60m", "135m", "350m", "1b", "olmo8"):
@@ -76,7 +69,6 @@ def sizes_table(seq_len: int = 1024) -> str:
 
 def ablation_configs(size: str) -> dict[str, ModelConfig]:
     """The paper's parameter/FLOP-matched baselines at one size, beside AsymLoop K=3 and Full Loop K=2."""
-    from minimal_asymloop.model import WIDE_FULL_LOOP_D_FF, ModelConfig
     asym = ModelConfig.from_preset(size)
     return {"asymloop K=3": asym,
             "full_loop K=2": ModelConfig.from_preset(size, "full_loop"),

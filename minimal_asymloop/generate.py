@@ -7,12 +7,7 @@ the decoder K times, each iteration reading its own Local KV cache.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from minimal_asymloop.model import LoopedLM, ModelConfig
 
 
 class LayerKV:
@@ -54,7 +49,7 @@ class KVCache:
 
 
 @torch.no_grad()
-def generate(model: LoopedLM, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              n_iter: int | None = None, use_cache: bool = True, stop_id: int | None = None):
     """Append up to max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy.
 
@@ -91,7 +86,7 @@ def generate(model: LoopedLM, idx, max_new_tokens: int, temperature: float = 1.0
     return idx
 
 
-def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype=torch.bfloat16, n_iter: int | None = None) -> int:
+def kv_cache_bytes(cfg, seq_len: int, batch: int = 1, dtype=torch.bfloat16, n_iter: int | None = None) -> int:
     """Bytes of the KV cache for batch sequences of seq_len tokens: K and V, (B, T, d) each,
     per cached attention call (see KVCache). AsymLoop caches E + D·[Global KV] + K·D·[Local KV]."""
     k = n_iter or cfg.n_iter

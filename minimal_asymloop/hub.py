@@ -17,69 +17,25 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from minimal_asymloop.checkpoint import CheckpointError, read_meta
-from minimal_asymloop.model import ModelConfig, count_params
+from minimal_asymloop.checkpoint import (  # noqa: F401 (the --ckpt rule, re-exported: hub.resolve)
+    HUB_PREFIX,
+    REPO_ID,
+    CheckpointError,
+    download,
+    hub_repo_id,
+    load_model,
+    read_meta,
+    resolve,
+)
+from minimal_asymloop.flops import count_params
+from minimal_asymloop.model import ModelConfig
 
-HUB_PREFIX = "hf:"
-ALLOW = ["*.safetensors", "*.json"]  # weights, config, tokenizer: data only, never code or pickles
-REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # owner/name, as the Hub spells repo ids
 ARCH_NAMES = {"dense": "Dense", "full_loop": "Full Loop", "asymloop": "AsymLoop"}
-
-
-# ----------------------------------------------------------------------------- --ckpt: a local path or a Hub repo
-
-
-def hub_repo_id(spec: str) -> str | None:
-    """The Hub repo id that `spec` names, or None when it names a local path (the rule in the module doc)."""
-    spec = str(spec)
-    if spec.startswith(HUB_PREFIX):
-        repo = spec[len(HUB_PREFIX):].lstrip("/")  # hf:owner/name or hf://owner/name
-        if not REPO_ID.fullmatch(repo):
-            raise CheckpointError(f"{spec!r} is not a Hub repo id: write hf:owner/name")
-        return repo
-    if Path(spec).expanduser().exists() or not REPO_ID.fullmatch(spec) or Path(spec.split("/")[0]).is_dir():
-        return None
-    return spec
-
-
-def resolve(spec) -> Path:
-    """A local folder for --ckpt `spec`: itself when local, else a download of the Hub repo's weights and JSON."""
-    repo = hub_repo_id(spec)
-    if repo is None:
-        path = Path(spec).expanduser()
-        if not path.exists() and REPO_ID.fullmatch(str(spec)):  # owner/name whose owner is a local folder
-            raise CheckpointError(f"no checkpoint at {spec}: read as a local path because ./{str(spec).split('/')[0]} is a "
-                                  f"folder; for the Hub repo {spec} write hf:{spec}")
-        return path
-    if not str(spec).startswith(HUB_PREFIX):  # say which reading was taken: a typo'd local path must not pass unnoticed
-        print(f"{spec}: no local folder of that name; loading the Hugging Face Hub repo {repo} "
-              f"(write ./{spec} for a local path)", file=sys.stderr)
-    return download(repo)
-
-
-def download(repo: str) -> Path:
-    """The Hub repo's *.safetensors and *.json in the local Hugging Face cache (fetched once); fails fast offline."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError  # where 0.24 and 2.x both have them
-
-    from minimal_asymloop.sources import hub_offline_reason
-
-    offline = hub_offline_reason(f"the model {repo}")  # None when reachable; else offline mode, and the cache still serves
-    try:
-        return Path(snapshot_download(repo, allow_patterns=ALLOW))
-    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
-        raise CheckpointError(f"the Hugging Face Hub has no model repo {repo} that you can read ({type(e).__name__}); check "
-                              f"the name, or log in with `hf auth login` for a private or gated repo") from None
-    except (OSError, ValueError) as e:  # LocalEntryNotFoundError (not cached, offline), connection errors, invalid ids
-        why = offline or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        raise CheckpointError(f"cannot load {repo}: {why}, and it is not in the local Hugging Face cache; run once with the "
-                              f"Hub reachable, or pass a local folder (an export or a run's out_dir)") from None
 
 
 # ----------------------------------------------------------------------------- export: a Hub-ready folder
@@ -145,7 +101,6 @@ python -m minimal_asymloop.evaluate --ckpt hf:{repo}
 ```
 
 ```python
-from minimal_asymloop.checkpoint import load_model
 model, tokenizer, meta = load_model("hf:{repo}")
 ```
 

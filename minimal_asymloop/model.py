@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from minimal_asymloop import generate as generation
 from minimal_asymloop import kernels
-from minimal_asymloop.flops import count_params, flops_per_token, matched_dec_d_ff, sizes_table  # noqa: F401 (re-exported)
 
 ARCHS = ("dense", "full_loop", "asymloop")
 CONTEXTS = ("global_kv", "additive", "none")
@@ -577,9 +576,3 @@ class LoopedLM(nn.Module):
                  n_iter: int | None = None, use_cache: bool = True, stop_id: int | None = None):
         """Append up to max_new_tokens sampled tokens to idx (B, T), KV-cached (see minimal_asymloop.generate)."""
         return generation.generate(self, idx, max_new_tokens, temperature, top_k, n_iter, use_cache, stop_id)
-
-
-if __name__ == "__main__":  # parameters and FLOPs of the paper's sizes, computed in flops.py
-    from minimal_asymloop.flops import main
-
-    main()

@@ -11,13 +11,9 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from minimal_asymloop.trainer import TrainConfig
 
 
 class ConfigError(ValueError):
@@ -28,7 +24,7 @@ class DistributedError(RuntimeError):
     """DDP: another rank died or hung (a collective failed or passed ddp_timeout_s); the message says what to do."""
 
 
-def lost_ranks_error(e: RuntimeError, rank: int, step: int, cfg: TrainConfig) -> DistributedError | None:
+def lost_ranks_error(e: RuntimeError, rank: int, step: int, cfg) -> DistributedError | None:
     """A one-line DistributedError for a failed collective (gloo/NCCL), or None for any other RuntimeError."""
     text = " ".join(str(e).split())
     comm = ("gloo", "NCCL", "Timed out", "Connection reset", "Connection closed")
@@ -101,7 +97,7 @@ def timeit(fn, device, warmup=2, min_time=1.0, max_iters=50):
     return sorted(times)[len(times) // 2]
 
 
-def wandb_module(cfg: TrainConfig):
+def wandb_module(cfg):
     """The wandb package when --wandb is on, else None; a one-line error when it is not installed."""
     if not cfg.wandb:
         return None
@@ -117,7 +113,7 @@ def autocast_context(device, dtype):
     return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
 
 
-def resolve_device(cfg: TrainConfig, local_rank: int) -> tuple[torch.device, torch.dtype]:
+def resolve_device(cfg, local_rank: int) -> tuple[torch.device, torch.dtype]:
     name = cfg.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

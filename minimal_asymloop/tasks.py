@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minimal_asymloop.trainer import TrainConfig, lr_at, param_groups
+from minimal_asymloop.config import TrainConfig
+from minimal_asymloop.optim import lr_at, param_groups
 
 VALUES = "0123456789"
 VARIABLES = "abcdefghijklmnopqrstuvwxyz"

@@ -3,11 +3,10 @@ import math
 import pytest
 import torch
 
+from minimal_asymloop.flops import count_params, flops_per_token
 from minimal_asymloop.model import (
     LoopedLM,
     ModelConfig,
-    count_params,
-    flops_per_token,
     joint_attention,
     joint_attention_masked,
     joint_attention_reference,

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from minimal_asymloop.model import LoopedLM, ModelConfig, MoE, SwiGLU, count_params, flops_per_token
+from minimal_asymloop.flops import count_params, flops_per_token
+from minimal_asymloop.model import LoopedLM, ModelConfig, MoE, SwiGLU
 
 V = 97
 

@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minimal_asymloop.model import Block, LoopedLM, ModelConfig, Rotary, count_params, flops_per_token
+from minimal_asymloop.flops import count_params, flops_per_token
+from minimal_asymloop.model import Block, LoopedLM, ModelConfig, Rotary
 
 V = 97
 

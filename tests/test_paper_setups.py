@@ -13,7 +13,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from minimal_asymloop import data as D
 from minimal_asymloop import sources as S
 from minimal_asymloop.alrs import DecoderLRBoost
-from minimal_asymloop.model import WIDE_FULL_LOOP_D_FF, LoopedLM, ModelConfig, count_params, flops_per_token, matched_dec_d_ff
+from minimal_asymloop.flops import count_params, flops_per_token, matched_dec_d_ff
+from minimal_asymloop.model import WIDE_FULL_LOOP_D_FF, LoopedLM, ModelConfig
 from minimal_asymloop.trainer import ConfigError, TrainConfig, lr_at, make_alrs, param_groups, train
 
 # ----------------------------------------------------------------------------- Appendix G: SmolLM corpus and tokenizer
@@ -106,7 +107,7 @@ def test_widened_full_loop_matches_asymloop_training_flops(size):
 
 
 def test_model_table_prints_the_matched_baselines():
-    out = subprocess.run([sys.executable, "-m", "minimal_asymloop.model"], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-m", "minimal_asymloop.flops"], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parents[1]).stdout
     assert "| 60m | full_loop K=2, FFN 2656 (App. E) | 100.23M | +5.10% | 0.291 | -0.6% |" in out
     assert "| 60m | asymloop K=3 without Global KV, decoder FFN 2560 (Table 4a) | 95.37M |" in out
