@@ -6,6 +6,7 @@ import json
 import pytest
 
 from minimal_asymloop import experiments as ex
+from minimal_asymloop.experiments import alrs_study, chain, common, lm
 
 
 def test_best_lr_uses_the_mean_over_seeds_and_only_complete_lrs():
@@ -44,7 +45,7 @@ def test_alrs_queue_order_edge_extension_and_controls(monkeypatch, tmp_path):
     first seed's best, then the scaled-uniform control at base x mean multiplier, unpinned, the rest of the sweep, hill,
     and uniform LR with only embedding/head pinned at the top."""
     order = []
-    monkeypatch.setattr(ex, "RESULTS", tmp_path)  # no committed results to reuse
+    monkeypatch.setattr(common, "RESULTS", tmp_path)  # no committed results to reuse
 
     def fake_arm(arm, lr, seed, steps):
         order.append((arm, lr, seed))
@@ -52,10 +53,10 @@ def test_alrs_queue_order_edge_extension_and_controls(monkeypatch, tmp_path):
         return dict(arm=arm, lr=lr, seed=seed, val_loss=loss + 0.01 * seed, mean_multiplier=3.0)
 
     writes = []
-    monkeypatch.setattr(ex, "alrs_arm", fake_arm)
-    monkeypatch.setattr(ex, "alrs_spectra", lambda best, seed: dict(best=best))
-    monkeypatch.setattr(ex, "write_json", lambda path, obj: writes.append(obj))
-    monkeypatch.setattr(ex, "SEEDS", (0, 1, 2))
+    monkeypatch.setattr(alrs_study, "alrs_arm", fake_arm)
+    monkeypatch.setattr(alrs_study, "alrs_spectra", lambda best, seed: dict(best=best))
+    monkeypatch.setattr(alrs_study, "write_json", lambda path, obj: writes.append(obj))
+    monkeypatch.setattr(common, "SEEDS", (0, 1, 2))
     res = ex.alrs_experiment()
     first = [(a, lr, 0) for a in ("uniform", "alrs") for lr in ex.ALRS_LRS[a]] + [("uniform", 2e-2, 0)]
     assert order[:7] == first  # uniform's best (1e-2) is its grid's top edge: 2e-2 added
@@ -82,11 +83,11 @@ def test_alrs_study_reuses_the_committed_runs_of_its_setting(monkeypatch, tmp_pa
         calls.append((arm, lr, seed))
         return dict(arm=arm, lr=lr, seed=seed, val_loss=4.0 + abs(lr - 2.5e-3), mean_multiplier=3.0)
 
-    monkeypatch.setattr(ex, "alrs_arm", fake_arm)
-    monkeypatch.setattr(ex, "alrs_spectra", lambda best, seed: calls.append("spectra") or dict(best=best))
-    monkeypatch.setattr(ex, "write_json", lambda path, obj: None)
-    monkeypatch.setattr(ex, "SEEDS", (0, 1, 2))
-    monkeypatch.setattr(ex, "RESULTS", tmp_path)
+    monkeypatch.setattr(alrs_study, "alrs_arm", fake_arm)
+    monkeypatch.setattr(alrs_study, "alrs_spectra", lambda best, seed: calls.append("spectra") or dict(best=best))
+    monkeypatch.setattr(alrs_study, "write_json", lambda path, obj: None)
+    monkeypatch.setattr(common, "SEEDS", (0, 1, 2))
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
     full = ex.alrs_experiment()
     everything = list(calls)
     assert "spectra" in everything and ("uniform_top", 2.5e-3, 2) in everything
@@ -97,29 +98,29 @@ def test_alrs_study_reuses_the_committed_runs_of_its_setting(monkeypatch, tmp_pa
     assert calls == [("uniform_top", 2.5e-3, s) for s in (0, 1, 2)]  # the spectra and every other run reused
     assert len(again["runs"]) == len(full["runs"])
     calls.clear()
-    monkeypatch.setattr(ex, "FRESH", True)
+    monkeypatch.setattr(common, "FRESH", True)
     ex.alrs_experiment()
     assert calls == everything
-    monkeypatch.setattr(ex, "FRESH", False)
+    monkeypatch.setattr(common, "FRESH", False)
     calls.clear()
-    monkeypatch.setattr(ex, "SEEDS", (0, 1, 2, 3))  # one more seed: the committed seeds are reused, the spectra too
+    monkeypatch.setattr(common, "SEEDS", (0, 1, 2, 3))  # one more seed: the committed seeds are reused, the spectra too
     ex.alrs_experiment()
     assert calls and all(c[2] == 3 or c[0] == "uniform_top" for c in calls)
-    monkeypatch.setattr(ex, "SEEDS", (0, 1, 2))
+    monkeypatch.setattr(common, "SEEDS", (0, 1, 2))
     calls.clear()
-    monkeypatch.setattr(ex, "ALRS_STEPS", 100)  # another setting (fewer steps) reuses nothing
+    monkeypatch.setattr(alrs_study, "ALRS_STEPS", 100)  # another setting (fewer steps) reuses nothing
     ex.alrs_experiment()
     assert len(calls) == len(everything)
 
 
 def test_lm_runs_reuse_committed_rows_of_the_same_setting(monkeypatch, tmp_path):
-    monkeypatch.setattr(ex, "RESULTS", tmp_path)
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
     setting = ex.lm_setting(200, (0, 1, 2))
     row = dict(name="asymloop_k5_no_local", seed=1, arch="asymloop", n_iter=5, context="global_kv", local_kv=False, val_loss=3.9)
     (tmp_path / "global_kv.json").write_text(json.dumps(dict(setting=setting, runs=[row])))
     done = ex.committed_rows(setting, "matched_depth", "global_kv")
     assert done == {("asymloop_k5_no_local", 1): row}
-    monkeypatch.setattr(ex, "train_lm", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
+    monkeypatch.setattr(lm, "train_lm", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
     cfg = ex.lm_config("asymloop", n_iter=5, **ex.CONTEXTS["no_local"])
     assert ex.run_lm("asymloop_k5_no_local", cfg, 1, 200, batch=None, done=done) == row
     with pytest.raises(AssertionError, match="trained"):  # same name, other architecture fields: not reused
@@ -129,21 +130,21 @@ def test_lm_runs_reuse_committed_rows_of_the_same_setting(monkeypatch, tmp_path)
 
 
 def test_chain_task_reuses_committed_runs_and_trains_the_missing_seeds(monkeypatch, tmp_path):
-    monkeypatch.setattr(ex, "RESULTS", tmp_path)
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
     trained = []
 
     def fake_run(name, cfg, task, setting, seed, cache=True):
         trained.append((name, seed))
         return dict(name=name, seed=seed, steps=100, params=1000)
 
-    monkeypatch.setattr(ex, "chain_run", fake_run)
-    monkeypatch.setattr(ex, "SEEDS_SET", True)  # as with --seeds 0
-    monkeypatch.setattr(ex, "SEEDS", (0,))
+    monkeypatch.setattr(chain, "chain_run", fake_run)
+    monkeypatch.setattr(common, "SEEDS_SET", True)  # as with --seeds 0
+    monkeypatch.setattr(common, "SEEDS", (0,))
     first = ex.chain_task()
     assert trained == [(n, 0) for n in ex.chain_models(ex.ChainTask(**ex.CHAIN_TASK))]
     (tmp_path / "chain_task.json").write_text(json.dumps(first))
     trained.clear()
-    monkeypatch.setattr(ex, "SEEDS", (0, 1))
+    monkeypatch.setattr(common, "SEEDS", (0, 1))
     both = ex.chain_task()
     assert trained and all(seed == 1 for _, seed in trained) and len(both["runs"]) == 2 * len(trained)
     first = both["runs"][0]
@@ -151,10 +152,12 @@ def test_chain_task_reuses_committed_runs_and_trains_the_missing_seeds(monkeypat
 
 
 def test_chain_task_runs_its_own_five_seeds_unless_told(monkeypatch, tmp_path):
-    monkeypatch.setattr(ex, "RESULTS", tmp_path)
-    monkeypatch.setattr(ex, "chain_run", lambda name, cfg, task, setting, seed, cache=True: dict(name=name, seed=seed, steps=1, params=1))
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(chain, "chain_run",
+                        lambda name, cfg, task, setting, seed, cache=True: dict(name=name, seed=seed, steps=1, params=1))
     assert ex.chain_task()["setting"]["seeds"] == list(ex.CHAIN_SEEDS) == [0, 1, 2, 3, 4]  # plain `chain_task` or `all`
     for name in ("SEEDS", "SEEDS_SET", "STEPS", "STEPS_SET", "CACHED_ONLY", "FRESH"):  # main() sets them: restore after
-        monkeypatch.setattr(ex, name, getattr(ex, name))
+        monkeypatch.setattr(common, name, getattr(common, name))
     ex.main(["chain_task", "--seeds", "7", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "chain_task.json").read_text())["setting"]["seeds"] == [7]
+    assert ex.SEEDS == common.SEEDS == (7,) and ex.SEEDS_SET is True  # the package reads the settings main() set

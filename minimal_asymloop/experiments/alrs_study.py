@@ -1,0 +1,199 @@
+"""The ALRS study of notebook 02, fairly: a base-LR sweep for uniform LR and for ALRS, then controls at the best LRs
+(the uniform LR scaled by ALRS's mean multiplier, embedding/head unpinned, the hill_median fit, and uniform LR with
+only embedding and head at ALRS's top multiplier), at >= 3 seeds each.
+"""
+
+import time
+
+import numpy as np
+import torch
+
+from minimal_asymloop.checkpoint import load_model
+from minimal_asymloop.config import TrainConfig
+from minimal_asymloop.experiments import common
+from minimal_asymloop.experiments.common import RUNS, committed, describe_budget, train_lm, write_json
+from minimal_asymloop.model import LoopedLM, ModelConfig
+from minimal_asymloop.paths import DATA_CACHE, RESULTS
+from minimal_asymloop.sources import source_identity
+
+# (ours) the LM setting of the ALRS study, sized so that 3 seeds x (2 arms x 3 base LRs + 3 controls) runs of >= 2 tokens
+# per parameter fit about an hour of one shared CPU core: AsymLoop K=3, d_model 64 (so every matrix has >= 64 eigenvalues,
+# enough to fit), L = 4 (E = D = 2), d_ff 128, a 512-token BPE, batch 16 x seq 128, QKNorm on; 246,560 parameters
+ALRS_LM = dict(n_layer=4, d_model=64, n_head=4, d_ff=128, vocab_size=512, max_seq_len=128, qk_norm=True)
+ALRS_TRAIN = dict(data="stdlib", tokenizer="bpe", bpe_vocab=512, data_cache=DATA_CACHE, seq_len=128, global_batch=16,
+                  eval_batches=16, quiet=True, device="cpu", dtype="float32")
+# (ours) the paper's schedule (allocate every 100 steps, 50-step ramps, freeze after 20% of training) scaled to a
+# 250-step run: allocations at steps 0, 10, ..., 50, each reached by a 5-step ramp, then frozen
+ALRS_SCHEDULE = dict(alrs_every=10, alrs_ramp=5, alrs_phase=0.2)
+ALRS_STEPS = 250  # (ours) 16 x 128 x 250 = 512K tokens: 2.08 tokens/param at this setting
+# base-LR grids (ours): ALRS multiplies the base LR by 1-5, so its grid sits one octave lower; an arm whose best LR
+# lands on the edge of its grid gets one more LR beyond that edge before the controls run
+ALRS_LRS = {"uniform": (2.5e-3, 5e-3, 1e-2), "alrs": (1.25e-3, 2.5e-3, 5e-3)}
+SPECTRA = ("decoder.0.mlp.up.weight", "encoder.0.attn.wq.weight")  # matrices whose eigenvalues are stored
+
+
+def alrs_records(rows: list[dict]) -> list[dict]:
+    """The allocations logged in a run's metrics, as {step, alpha, multiplier}."""
+    return [dict(step=r["alrs_step"], alpha=r["alrs_alpha"], multiplier=r["alrs_multiplier"]) for r in rows if "alrs_multiplier" in r]
+
+
+class PinnedTop:
+    """Control (ours): uniform LR for every matrix except embedding and head, which get ALRS's top multiplier,
+    reached by ALRS's ramp from step 0 and then kept; the one thing ALRS does that needs no spectrum."""
+
+    per_matrix = True
+
+    def __init__(self, hi: float, ramp_len: int):
+        self.hi, self.ramp_len = hi, ramp_len
+
+    def on_step(self, step, model, optimizer):
+        from minimal_asymloop import alrs
+
+        mult = alrs.ramp(1.0, self.hi, step, 0, self.ramp_len)
+        for group in optimizer.param_groups:
+            if group.get("name") in alrs.TOP_NAMES:
+                group["lr_mult"] = mult
+        return dict(pinned_top=self.hi) if step == 0 else None
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict):
+        pass
+
+
+def alrs_arm(arm: str, lr: float, seed: int, steps: int) -> dict:
+    """One run of the ALRS study: arm is uniform, alrs (ww fit), alrs_hill (hill_median fit), alrs_unpinned
+    (embedding and head allocated like every other matrix) or uniform_top (uniform LR with embedding and head at the
+    top multiplier). Cached in out/experiments/ by arm, LR and seed."""
+    from minimal_asymloop import alrs
+
+    cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
+    on = arm != "uniform"
+    extra = dict(alrs=on, **ALRS_SCHEDULE, alrs_fit="hill_median" if arm == "alrs_hill" else "ww") if on else dict(alrs=False)
+    out_dir = RUNS / f"alrs_study-{arm}-lr{lr:.3g}-s{seed}"
+    train_cfg = TrainConfig(**{**ALRS_TRAIN, **extra, "lr": lr, "max_steps": steps, "eval_interval": steps, "seed": seed,
+                               "out_dir": str(out_dir)})
+    hook = None
+    if arm == "uniform_top":  # uniform LR, except what ALRS pins: embedding and head at its top multiplier
+        hook = PinnedTop(train_cfg.alrs_hi, ALRS_SCHEDULE["alrs_ramp"])
+    if arm == "alrs_unpinned":  # the trainer's hook pins embedding and head; this one does not (the out_dir name says so)
+        t = train_cfg
+        hook = alrs.ALRS(steps, t.alrs_fit, t.alrs_lo, t.alrs_hi, t.alrs_every, t.alrs_phase, t.alrs_ramp, top=())
+    result, model = train_lm(cfg, train_cfg, hook, reuse=True)
+    history = result["history"]
+    records = alrs_records(history)
+    final = records[-1]["multiplier"] if records else {}
+    sizes = {n: w.numel() for n, w in alrs.tuned_matrices(model).items()}
+    row = dict(arm=arm, lr=lr, seed=seed, val_loss=result["val_loss"], seconds=result["seconds"],
+               train_loss=[(r["step"], r["loss"]) for r in history if "loss" in r and r["step"] % 5 == 0],
+               **describe_budget(cfg, train_cfg), **alrs.stable_rank_summary(model))
+    if final:
+        row.update(final_multiplier=final, group_multiplier=alrs.group_means(final), ratios=alrs.decoder_encoder_ratios(final),
+                   mean_multiplier=float(np.mean(list(final.values()))),
+                   param_weighted_multiplier=float(sum(final[n] * sizes[n] for n in final) / sum(sizes[n] for n in final)),
+                   alrs_records=records, alloc_seconds=sum(r.get("alrs_seconds", 0.0) for r in history))
+    print(f"  {arm:>14} lr {lr:.3g} seed {seed}: val loss {row['val_loss']:.4f}  ({row['seconds']:.0f}s)", flush=True)
+    return row
+
+
+def best_lr(runs: list[dict], arm: str, seeds, grid=None) -> float | None:
+    """The arm's base LR with the lowest mean val loss over `seeds`, among the LRs of `grid` (None: any) that have every seed."""
+    by_lr: dict[float, dict] = {}
+    for r in runs:
+        if r["arm"] == arm and (grid is None or r["lr"] in grid):
+            by_lr.setdefault(r["lr"], {})[r["seed"]] = r["val_loss"]
+    full = {lr: np.mean([v[s] for s in seeds]) for lr, v in by_lr.items() if all(s in v for s in seeds)}
+    return min(full, key=full.get) if full else None
+
+
+def alrs_experiment(quick=False):
+    """AsymLoop K=3, uniform LR vs ALRS: base-LR sweep for each, then controls at the best LRs, >= 3 seeds each."""
+
+    steps, seeds = (30, common.SEEDS[:1]) if quick else (common.STEPS_SET or ALRS_STEPS, common.SEEDS)
+    lrs = {arm: grid[1:2] if quick else grid for arm, grid in ALRS_LRS.items()}
+    runs: list[dict] = []
+    state: dict = {}  # best LRs, spectra, the scaled-uniform LR: filled in as the queue gets there
+    t_start = time.time()
+    # runs committed at this setting are reused (the grids may have grown at an edge, and runs are per seed)
+    old = None if quick else committed("alrs", setting_of(steps, seeds, lrs), ignore=("lr_grids", "seeds", "regenerate"))
+    if old:
+        runs += old["runs"]
+        lrs = {arm: tuple(grid) for arm, grid in old["setting"]["lr_grids"].items()}
+
+    def result(partial=False):
+        best = {arm: best_lr(runs, arm, seeds, lrs[arm]) for arm in ("uniform", "alrs")}  # the sweep's LRs with every seed
+        return dict(setting=setting_of(steps, seeds, lrs), best_lr=best, **state, runs=runs, partial=partial,
+                    seconds=time.time() - t_start)
+
+    def run(arm, lr, seed):
+        if not any((r["arm"], r["lr"], r["seed"]) == (arm, lr, seed) for r in runs):
+            runs.append(alrs_arm(arm, lr, seed, steps))
+            if not quick:  # a partial result after every run, so finished groups can be used before the rest is done
+                write_json(RESULTS / "alrs.json", result(partial=True))
+
+    # The order (ours) puts first what a cut-short queue most needs: (a) every LR of both grids at the first seed (plus
+    # one LR beyond an edge that wins), then the other seeds at each arm's best LR of the first seed, so the arms can be
+    # compared at their own best over every seed; (b) the uniform LR scaled by ALRS's mean multiplier, then embedding/head
+    # unpinned; (a) every LR at every seed, nearest each arm's best first; (b) the hill_median fit.
+    first = seeds[:1]
+    for arm in ("uniform", "alrs"):
+        for lr in lrs[arm]:
+            run(arm, lr, first[0])
+    for arm in ("uniform", "alrs"):  # a best LR on the grid's edge: one more LR beyond it
+        best, grid = best_lr(runs, arm, first, lrs[arm]), sorted(lrs[arm])
+        if not quick and best in (grid[0], grid[-1]):
+            lrs[arm] = tuple(sorted((*grid, best / 2 if best == grid[0] else best * 2)))
+            run(arm, lrs[arm][0] if best == grid[0] else lrs[arm][-1], first[0])
+    best0 = {arm: best_lr(runs, arm, first, lrs[arm]) for arm in ("uniform", "alrs")}
+    state["best_lr_first_seed"] = best0
+    for seed in seeds[1:]:
+        for arm in ("uniform", "alrs"):
+            run(arm, best0[arm], seed)
+    reuse_spectra = old and old.get("best_lr_first_seed") == best0 and "spectra" in old
+    state["spectra"] = old["spectra"] if reuse_spectra else alrs_spectra(best0, first[0])
+    mean_mult = float(np.mean([r["mean_multiplier"] for r in runs if r["arm"] == "alrs" and r["lr"] == best0["alrs"]]))
+    state.update(mean_multiplier=mean_mult, scaled_uniform_lr=float(f"{best0['alrs'] * mean_mult:.3g}"))
+    for seed in seeds:
+        run("uniform", state["scaled_uniform_lr"], seed)
+    for seed in seeds:
+        run("alrs_unpinned", best0["alrs"], seed)
+    rest = sorted(((arm, lr) for arm in ("uniform", "alrs") for lr in lrs[arm]), key=lambda a: abs(np.log(a[1] / best0[a[0]])))
+    for arm, lr in rest:  # both arms' LRs, nearest to each arm's best first
+        for seed in seeds:
+            run(arm, lr, seed)
+    for seed in seeds:
+        run("alrs_hill", best0["alrs"], seed)
+    for seed in seeds:  # is the gain ALRS's spectra, or only its pinned embedding/head LR?
+        run("uniform_top", best0["uniform"], seed)
+    return result()
+
+
+def setting_of(steps: int, seeds, lrs: dict) -> dict:
+    """The ALRS study's setting, as recorded in its JSON."""
+    cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
+    budget = describe_budget(cfg, TrainConfig(**{**ALRS_TRAIN, "max_steps": steps}))
+    return dict(model=dict(ALRS_LM, arch="asymloop", n_iter=3, n_enc=cfg.n_enc),
+                train={k: v for k, v in ALRS_TRAIN.items() if k != "data_cache"}, steps=steps, seeds=list(seeds),
+                schedule=ALRS_SCHEDULE, lr_grids=lrs, budget=dict(budget, steps=steps),
+                data_identity=source_identity("stdlib", None),
+                regenerate=f"python -m minimal_asymloop.experiments alrs --seeds {' '.join(map(str, seeds))} --steps {steps}")
+
+
+def alrs_spectra(best: dict, seed: int) -> dict:
+    """Alphas (both fits), two matrices' eigenvalues and the stable rank at init and after training at each arm's best LR."""
+    from minimal_asymloop import alrs
+
+    cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
+    torch.manual_seed(seed)
+    models = {"init": LoopedLM(cfg)}
+    for arm in ("uniform", "alrs"):
+        models[arm], _, _ = load_model(RUNS / f"alrs_study-{arm}-lr{best[arm]:.3g}-s{seed}")
+    out = {}
+    for tag, model in models.items():
+        mats = alrs.tuned_matrices(model)
+        out[tag] = dict(alpha_ww={n: alrs.ww_alpha(w) for n, w in mats.items()},
+                        alpha_hill={n: alrs.hill_median_alpha(alrs.eigenvalues(w)) for n, w in mats.items()},
+                        eigenvalues={n: alrs.eigenvalues(mats[n]).tolist() for n in SPECTRA},
+                        stable_rank=alrs.stable_rank_summary(model), best_lr=best.get(tag))
+    return out
