@@ -141,7 +141,7 @@ def test_chain_task_reuses_committed_runs_and_trains_the_missing_seeds(monkeypat
     monkeypatch.setattr(common, "SEEDS_SET", True)  # as with --seeds 0
     monkeypatch.setattr(common, "SEEDS", (0,))
     first = ex.chain_task()
-    assert trained == [(n, 0) for n in ex.chain_models(ex.ChainTask(**ex.CHAIN_TASK))]
+    assert trained == [(n, 0) for n in ex.DEPTH_GRID]
     (tmp_path / "chain_task.json").write_text(json.dumps(first))
     trained.clear()
     monkeypatch.setattr(common, "SEEDS", (0, 1))
@@ -161,3 +161,24 @@ def test_chain_task_runs_its_own_five_seeds_unless_told(monkeypatch, tmp_path):
     ex.main(["chain_task", "--seeds", "7", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "chain_task.json").read_text())["setting"]["seeds"] == [7]
     assert ex.SEEDS == common.SEEDS == (7,) and ex.SEEDS_SET is True  # the package reads the settings main() set
+
+
+def test_chain_context_trains_its_own_arms_beside_each_other(monkeypatch, tmp_path):
+    """The context block never borrows the depth grid's committed rows of the same names (trained earlier): it reuses
+    only its own committed file, and its six arms are at matched effective depth 4."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    trained = []
+    monkeypatch.setattr(chain, "chain_run", lambda name, cfg, task, setting, seed, cache=True:
+                        trained.append((name, seed)) or dict(name=name, seed=seed, steps=10, params=1))
+    monkeypatch.setattr(common, "SEEDS_SET", True)
+    monkeypatch.setattr(common, "SEEDS", (0,))
+    grid = ex.chain_task()
+    (tmp_path / "chain_task.json").write_text(json.dumps(grid))
+    trained.clear()
+    ctx = ex.chain_context()
+    assert trained == [(n, 0) for n in ex.CONTEXT_ARMS] and "asymloop_k3" in ex.DEPTH_GRID  # not reused from chain_task
+    models = ex.chain_models(ex.ChainTask(**ex.CHAIN_TASK))
+    assert {models[n].effective_depth for n in ex.CONTEXT_ARMS} == {4}
+    (tmp_path / "chain_context.json").write_text(json.dumps(ctx))
+    trained.clear()
+    assert len(ex.chain_context()["runs"]) == len(ex.CONTEXT_ARMS) and trained == []  # its own committed rows are reused

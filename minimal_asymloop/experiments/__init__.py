@@ -1,7 +1,7 @@
 """Longer experiments behind the notebooks, precomputed on a CPU into small JSON files.
 
     python -m minimal_asymloop.experiments all            # every experiment (CPU-hours; the notebooks print each cost)
-    python -m minimal_asymloop.experiments matched_depth  # one of: matched_depth, global_kv, chain_task, alrs
+    python -m minimal_asymloop.experiments matched_depth  # one of: matched_depth, global_kv, chain_task, chain_context, alrs
     python -m minimal_asymloop.experiments --list
 
 Results go to notebooks/results/<name>.json, which the notebooks plot. All LM runs share one tiny setting
@@ -10,9 +10,10 @@ d_ff 256, seq 128, batch 32, 200 steps (0.82M tokens, about 2 tokens per paramet
 EVERY model (as in the paper's context-access study), so architectures differ only in what the paper varies.
 Every arm runs at seeds 0, 1, 2, compared within a seed (same init seed, same data order).
 
-chain_task trains small models on a synthetic task that needs depth (tasks.ChainTask) until converged or a step limit; alrs is
+chain_task trains small models on a synthetic task that needs depth (tasks.ChainTask) until converged or a step limit, and
+chain_context compares context access on it at matched depth; alrs is
 the ALRS study of notebook 02, each with a setting of its own. One module per family: lm.py (matched_depth,
-global_kv), chain.py (chain_task), alrs_study.py (alrs), common.py (run settings, reuse of finished and committed runs).
+global_kv), chain.py (chain_task, chain_context), alrs_study.py (alrs), common.py (run settings, reuse of finished and committed runs).
 
 Runs committed in notebooks/results/*.json at the same setting are reused as they are, so a fresh clone trains only
 what is missing (an added arm, a new seed); --fresh trains everything again. Runs finished locally are cached in
@@ -56,7 +57,11 @@ from minimal_asymloop.experiments.chain import (
     CHAIN_SEEDS,
     CHAIN_STEPS,
     CHAIN_TASK,
+    CONTEXT_ARMS,
+    DEPTH_GRID,
     ChainTask,
+    chain_context,
+    chain_grid,
     chain_models,
     chain_run,
     chain_setting,
@@ -80,7 +85,8 @@ from minimal_asymloop.experiments.lm import (
 )
 from minimal_asymloop.paths import REPO, RESULTS
 
-EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_task": chain_task, "alrs": alrs_experiment}
+EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_task": chain_task, "chain_context": chain_context,
+               "alrs": alrs_experiment}
 SETTINGS = ("STEPS", "STEPS_SET", "SEEDS", "SEEDS_SET", "CACHED_ONLY", "FRESH")  # the run settings main() sets
 
 

@@ -29,6 +29,9 @@ CHAIN_LR = 3e-3
 CHAIN_CHECK = 250  # steps between accuracy checks on held-out programs
 CHAIN_CONVERGED = 0.99  # every hop count at least this accurate
 CHAIN_EVAL = 256  # held-out programs per check (one fixed generator seed, apart from the training streams)
+# the depth grid (effective depth 1-6) and the context-access arms at effective depth 4; chain_models builds them all
+DEPTH_GRID = [*(f"dense_l{n}" for n in range(1, 5)), *(f"asymloop_k{k}" for k in range(1, 6)), "full_loop_k2"]
+CONTEXT_ARMS = ["asymloop_k3", *(f"asymloop_k3_{v}" for v in CONTEXTS), "full_loop_k2", "dense_l4"]
 
 
 def chain_task(quick=False):
@@ -37,14 +40,31 @@ def chain_task(quick=False):
     task = ChainTask(**CHAIN_TASK)
     steps, seeds = (40, common.SEEDS[:1]) if quick else (CHAIN_STEPS, common.SEEDS if common.SEEDS_SET else CHAIN_SEEDS)
     setting = chain_setting(steps)
-    old = None if quick else committed("chain_task", setting, ignore=("seeds",))
+    return dict(setting=dict(setting, seeds=list(seeds)), runs=chain_grid("chain_task", DEPTH_GRID, task, setting, seeds, quick))
+
+
+def chain_context(quick=False):
+    """Context access on the chain task at matched effective depth 4: AsymLoop (E=D=1, K=3) with Global KV, without
+    it, with additive injection and without Local KV, beside Full Loop (L=2) K=2 and Dense L=4; 5 seeds, all trained
+    on the current code side by side (the depth grid's own rows of the same names were trained earlier)."""
+    task = ChainTask(**CHAIN_TASK)
+    steps, seeds = (40, common.SEEDS[:1]) if quick else (CHAIN_STEPS, common.SEEDS if common.SEEDS_SET else CHAIN_SEEDS)
+    setting = chain_setting(steps)
+    return dict(setting=dict(setting, seeds=list(seeds)), runs=chain_grid("chain_context", CONTEXT_ARMS, task, setting, seeds, quick))
+
+
+def chain_grid(experiment: str, names, task: ChainTask, setting: dict, seeds, quick: bool) -> list[dict]:
+    """Every (arm, seed), seed-major; runs committed in notebooks/results/<experiment>.json at this setting are reused,
+    then runs cached in out/experiments/chain/; the rest are trained. Each run records the training budget it used."""
+    old = None if quick else committed(experiment, setting, ignore=("seeds",))
     done = {(r["name"], r["seed"]): r for r in (old or {}).get("runs", [])}
-    runs = [done.get((name, seed)) or chain_run(name, cfg, task, setting, seed, cache=not quick)
-            for seed in seeds for name, cfg in chain_models(task).items()]  # seed-major: every arm at seed 0 first
-    for r in runs:  # the training budget each run used (steps differ: a converged run stops early)
+    models = chain_models(task)
+    runs = [done.get((name, seed)) or chain_run(name, models[name], task, setting, seed, cache=not quick)
+            for seed in seeds for name in names]  # seed-major: every arm at seed 0 first
+    for r in runs:  # steps differ between runs: a converged run stops early
         r["tokens"] = r["steps"] * CHAIN_BATCH * task.seq_len
         r["tokens_per_param"] = r["tokens"] / r["params"]
-    return dict(setting=dict(setting, seeds=list(seeds)), runs=runs)
+    return runs
 
 
 def chain_setting(steps: int) -> dict:
@@ -53,7 +73,8 @@ def chain_setting(steps: int) -> dict:
 
 
 def chain_models(task: ChainTask) -> dict:
-    """Effective depth 1-6: Dense L = 1..4, AsymLoop E = D = 1 at K = 1..5 (depth 1 + K), Full Loop L = 2 at K = 2."""
+    """Effective depth 1-6: Dense L = 1..4, AsymLoop E = D = 1 at K = 1..5 (depth 1 + K), Full Loop L = 2 at K = 2;
+    and AsymLoop K = 3 without Global KV, with additive injection, without Local KV (depth 4)."""
     base = dict(CHAIN_MODEL, vocab_size=task.vocab_size, max_seq_len=task.seq_len)
     models = {f"dense_l{n}": ModelConfig(arch="dense", n_layer=n, **base) for n in range(1, 5)}
     models.update({f"asymloop_k{k}": ModelConfig(arch="asymloop", n_layer=2, n_iter=k, **base) for k in range(1, 6)})
