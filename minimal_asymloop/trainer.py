@@ -389,7 +389,7 @@ def optimizer_step(run: Run, step: int, flag: dict) -> bool:
         run.scaler.step(run.optimizer)  # = optimizer.step(); fp16: it saw the finite gradients in unscale_ above
         run.skipped_in_row = 0
     elif math.isfinite(loss_val) and scale is not None and scale >= 1:
-        overflow_skip(run, step, scale)  # fp16 gradients overflowed at this scale: skipped, and the scaler lowers it
+        overflow_skip(run, step, scale)  # fp16 gradients overflowed at this scale: skipped, the scaler lowers it (ours: scale >= 1)
     else:
         skip_or_stop(run, step, loss_val, gn)  # drops this step's update (the LR schedule and data order move on)
     run.scaler.update()
