@@ -11,7 +11,8 @@
 
 --size picks the model and its training settings; every ModelConfig and TrainConfig field can then be
 overridden, e.g. `--d-model 256 --lr 3e-4 --qk-norm false --max-steps 100`. Unknown keys are errors. Booleans work as
-bare flags (`--compile`) and with values (`--compile false`). A run stopped by SIGTERM or SIGINT checkpoints and exits
+bare flags (`--compile`) and with values (`--compile false`); `auto` (or `none`) gives an option its automatic value.
+`--help --size 60m` shows what that preset sets. A run stopped by SIGTERM or SIGINT checkpoints and exits
 143 or 130 (128 + the signal), so that a scheduler requeues it; `--resume` continues it.
 """
 
@@ -21,13 +22,14 @@ import math
 import signal
 import sys
 import types
-from dataclasses import MISSING, fields
+from dataclasses import fields
 
+from minimal_asymloop.alrs import FIT_FNS
 from minimal_asymloop.checkpoint import CheckpointError
-from minimal_asymloop.config import TrainConfig
-from minimal_asymloop.model import ARCHS, PAPER_MOE, PRESETS, ModelConfig
-from minimal_asymloop.sources import DataError
-from minimal_asymloop.system import ConfigError, DistributedError
+from minimal_asymloop.config import TRAIN_PRESETS, TrainConfig, field_docs
+from minimal_asymloop.model import ARCHS, BACKBONES, CONTEXTS, PAPER_MOE, PRESETS, ModelConfig
+from minimal_asymloop.sources import TOKENIZERS, DataError
+from minimal_asymloop.system import DEVICES, DTYPES, ConfigError, DistributedError
 from minimal_asymloop.trainer import NonFiniteLossError, train
 
 
@@ -62,28 +64,58 @@ def _kind(f) -> type:
 
 
 def _field_parser(f):
-    """argparse type for a dataclass field, from its annotation (`int | None` accepts 'none')."""
+    """argparse type for a dataclass field, from its annotation (`int | None` accepts 'auto' and 'none')."""
     base = {bool: _parse_bool, int: _parse_int, float: _parse_float, str: str}[_kind(f)]
     optional = isinstance(f.type, types.UnionType)
     # a str field keeps "none" as a value: `--context none` is the "without Global KV" ablation, not "unset"
-    return lambda s: None if optional and base is not str and s.lower() in ("none", "null") else base(s)
+    return lambda s: None if optional and base is not str and s.lower() in ("auto", "none", "null") else base(s)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# the values of the fields that take one of a few; the dataclasses check them against the same tuples
+CHOICES = dict(arch=ARCHS, context=CONTEXTS, backbone=BACKBONES, tokenizer=TOKENIZERS, alrs_fit=tuple(FIT_FNS),
+               device=(*DEVICES, "cuda:N"), dtype=DTYPES)
+
+
+def _show(v) -> str:
+    """A value as you would type it on the command line."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int) and abs(v) >= 1_000_000:
+        return f"{v:_}"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def option_help(f, doc: str, size: str, preset: dict) -> str:
+    """One option's --help line: the field's comment (what it does), its default (what None means, from the comment's
+    "; None -> ..." part) and what the --size preset sets it to."""
+    what, _, none_means = doc.partition("; None -> ")
+    default = none_means if f.default is None else _show(f.default)
+    sets = f"; --size {size} sets {_show(preset[f.name])}" if f.name in preset else ""
+    return f"{what} (default: {default}{sets})".replace("%", "%%")  # argparse %-formats help strings
+
+
+def build_parser(size: str = "tiny") -> argparse.ArgumentParser:
+    """The command line; the help of each option comes from its config field's comment (config.field_docs), and shows
+    what the --size preset `size` sets."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("--size", default="tiny", help=f"preset: {', '.join(PRESETS)} (default tiny)")
-    p.add_argument("--arch", default="asymloop", help=f"{', '.join(ARCHS)} (default asymloop)")
+    p.add_argument("--size", default="tiny", metavar="{" + ",".join(PRESETS) + "}",
+                   help="the model and its training settings: tiny (ours) runs in minutes on a CPU, the others are the paper's "
+                        "sizes (default: tiny)")
+    model_docs = field_docs(ModelConfig)
+    arch = next(f for f in fields(ModelConfig) if f.name == "arch")
+    p.add_argument("--arch", default="asymloop", metavar="{" + ",".join(ARCHS) + "}", help=option_help(arch, model_docs["arch"], size, {}))
     p.add_argument("--moe", action="store_true", help="the paper's sparse MoE FFNs: 8 SwiGLU experts, top-2, "
                    "moe_d_ff = d_ff/2 (1024 at 60m/135m); --moe-* options override")
-    for title, cls in (("model (ModelConfig)", ModelConfig), ("training (TrainConfig)", TrainConfig)):
-        group = p.add_argument_group(title)
+    for title, cls, presets in (("model (ModelConfig)", ModelConfig, PRESETS), ("training (TrainConfig)", TrainConfig, TRAIN_PRESETS)):
+        group, docs = p.add_argument_group(title), field_docs(cls)
         for f in fields(cls):
             if f.name == "arch":
                 continue
-            default = f.default if f.default is not MISSING else None
-            kw = dict(nargs="?", const=True) if _kind(f) is bool else {}  # `--qk-norm` alone means true, `--qk-norm false` false
+            kind = _kind(f)
+            kw = dict(nargs="?", const=True) if kind is bool else {}  # `--qk-norm` alone means true, `--qk-norm false` false
+            metavar = "{" + ",".join(CHOICES[f.name]) + "}" if f.name in CHOICES else kind.__name__.upper()
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_field_parser(f), default=argparse.SUPPRESS,
-                               metavar=f.name.upper(), help=f"(class default {default!r}; the --size preset may set it)", **kw)
+                               metavar=metavar, help=option_help(f, docs[f.name], size, presets.get(size, {})), **kw)
     alrs = p.add_argument_group("ALRS shortcuts")
     alrs.add_argument("--no-alrs", dest="alrs", action="store_false", default=argparse.SUPPRESS, help="one LR for all matrices")
     alrs.add_argument("--alrs-range", nargs=2, type=float, metavar=("LO", "HI"), default=argparse.SUPPRESS,
@@ -92,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    p = build_parser()
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--size", default="tiny")
+    p = build_parser(pre.parse_known_args(argv)[0].size)  # --help shows what the chosen preset sets
     args, unknown = p.parse_known_args(argv)
     if unknown:
         known = [o for a in p._actions for o in a.option_strings]

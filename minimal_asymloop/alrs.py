@@ -40,7 +40,7 @@ def eigenvalues(weight: torch.Tensor, dtype=torch.float32) -> np.ndarray:
     Computed with torch.linalg on the weight's own device, on a detached copy in `dtype`
     (float32 by default); only the result goes to the CPU for the fit.
     """
-    w = weight.detach().to(dtype=dtype, copy=True)
+    w = weight.detach().to("cpu" if weight.device.type == "mps" else weight.device, dtype, copy=True)  # MPS has no SVD kernel
     s = torch.linalg.svdvals(w)  # min(rows, cols) singular values, descending
     return np.sort(s.double().square().cpu().numpy())
 
@@ -374,7 +374,7 @@ def report(out_dir, rows: list[dict], ramp_len: int, last_step: int) -> tuple[st
 
 def normalized_stable_rank(weight: torch.Tensor) -> float:
     """||W||_F^2 / (||W||_2^2 * min(rows, cols)), in (0, 1]: 1 for a flat spectrum, near 0 when one direction dominates."""
-    w = weight.detach().float()
+    w = weight.detach().float().to("cpu" if weight.device.type == "mps" else weight.device)  # MPS has no SVD kernel
     sv = torch.linalg.matrix_norm(w, ord=2)
     return float((w.square().sum() / (sv * sv * min(w.shape))).item())
 

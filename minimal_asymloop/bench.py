@@ -11,7 +11,6 @@
 
 import argparse
 import time
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -30,7 +29,17 @@ from minimal_asymloop.model import (
     joint_attention_masked,
     joint_attention_reference,
 )
-from minimal_asymloop.system import gpu_peak_flops, timeit
+from minimal_asymloop.system import (
+    DTYPES,
+    ConfigError,
+    autocast_context,
+    gpu_peak_flops,
+    grad_scaler,
+    mps_error,
+    pick_device,
+    resolve_dtype,
+    timeit,
+)
 
 
 def bench_attention(args):
@@ -193,7 +202,7 @@ def bench_alrs(args):
 
 
 def time_train_step(cfg, batch, seq, device, dtype, args) -> float:
-    """Median seconds of one optimizer step (forward, backward, AdamW) on random tokens."""
+    """Median seconds of one optimizer step (forward, backward, AdamW; fp16 with its loss scaler) on random tokens."""
     from minimal_asymloop.optim import param_groups
 
     torch.manual_seed(0)
@@ -201,13 +210,14 @@ def time_train_step(cfg, batch, seq, device, dtype, args) -> float:
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     step_model = torch.compile(model) if args.compile else model
     x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
-    ctx = torch.autocast(device.type, dtype=dtype) if dtype == torch.bfloat16 else nullcontext()
+    scaler = grad_scaler(device, dtype)
 
     def step():
-        with ctx:
+        with autocast_context(device, dtype):
             _, loss = step_model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
 
     return timeit(step, device, warmup=args.warmup, min_time=args.min_time, max_iters=args.steps)
@@ -217,8 +227,11 @@ def bench_train(args):
     """Timed optimizer steps (forward, backward, AdamW) of the three architectures at one size, side by side."""
     from minimal_asymloop.config import TRAIN_PRESETS
 
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        device = pick_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     preset = TRAIN_PRESETS[args.size]
     seq = args.seq or preset["seq_len"]
     batch = args.batch or preset.get("micro_batch") or preset["global_batch"]
@@ -235,7 +248,12 @@ def bench_train(args):
         cfg = ModelConfig.from_preset(args.size, arch, n_iter=k)
         if seq > cfg.max_seq_len:
             cfg = ModelConfig.from_preset(args.size, arch, n_iter=k, max_seq_len=seq)
-        t = time_train_step(cfg, batch, seq, device, dtype, args)
+        try:
+            t = time_train_step(cfg, batch, seq, device, dtype, args)
+        except (RuntimeError, TypeError) as e:
+            if (err := mps_error(e)) is None:  # an op or dtype MPS lacks: one line naming the fix
+                raise
+            raise SystemExit(f"error: {err}") from None
         flops = 3 * flops_per_token(cfg, seq)["total"]  # training ~ 3x forward (the paper's Appendix D)
         results[arch] = (t, flops)
         ratio = (t / results["dense"][0]) / (flops / results["dense"][1])
@@ -245,6 +263,8 @@ def bench_train(args):
               f"{achieved / 1e12:>8.3f}{mfu} {ratio:>20.3f}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        elif device.type == "mps":
+            torch.mps.empty_cache()
     print("FLOP-normalized ratio = (t_arch / t_dense) / (F_arch / F_dense): 1.0 means looping and joint attention cost "
           "nothing beyond their arithmetic; target <= 1.15")
     return results
@@ -326,7 +346,8 @@ def main(argv=None):
     r.add_argument("--no-ww-analyze", dest="ww_analyze", action="store_false", help="skip the weightwatcher reference")
     t = sub.add_parser("train", help="training step time of dense, full_loop K=2 and asymloop K=3 side by side")
     t.add_argument("--size", default="tiny", choices=["tiny", "60m", "135m", "350m", "1b"])
-    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    t.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cuda, cuda:N, mps or cpu")
+    t.add_argument("--dtype", default="auto", choices=DTYPES, help="autocast dtype; auto: what train_minimal.py's --dtype auto picks")
     t.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's micro-batch)")
     t.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     t.add_argument("--compile", action="store_true")

@@ -1,7 +1,7 @@
 """Checkpoints: one self-contained folder per save, swapped in atomically.
 
     out_dir/ckpt_0000500/   model.safetensors  weights (safetensors: loading runs no code)
-                            state.pt           optimizer, step, data position, RNG, lr-hook state
+                            state.pt           optimizer, step, data position, RNG, lr-hook state, fp16 loss scale
                                                (loads with torch.load(weights_only=True))
                             meta.json          format_version, model + train config, step, val loss, data
                             tokenizer.json     so the folder alone can generate text

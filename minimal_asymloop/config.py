@@ -4,69 +4,73 @@ The defaults are the paper's training setup (Section 4 and He et al.'s reference
 marked (ours). `TrainConfig.from_preset(size, **overrides)` is what the command line builds.
 """
 
+import ast
+import inspect
+import io
 import math
+import textwrap
+import tokenize
 from dataclasses import dataclass, fields
 
 from minimal_asymloop import alrs
 from minimal_asymloop.sources import TOKENIZERS
-from minimal_asymloop.system import ConfigError
+from minimal_asymloop.system import DTYPES, ConfigError, check_device_name
 
 
 @dataclass
 class TrainConfig:
     # data
-    data: str = "stdlib"  # stdlib | fineweb-edu[:config] | a path or glob of .txt/.jsonl/.parquet
-    tokenizer: str = "bpe"  # bpe (trained on the data) | t5
-    bpe_vocab: int | None = None  # None -> the model's vocab_size
-    data_cache: str = "data_cache"
-    max_data_tokens: int | None = None  # cap on train tokens read from the source; None: all (fineweb-edu: the budget)
-    val_fraction: float | None = None  # None -> 5% of documents (0.5% for fineweb-edu), by hash
+    data: str = "stdlib"  # training text: stdlib (Python's own sources, offline) | fineweb-edu[:config] | path/glob of .txt/.jsonl/.parquet
+    tokenizer: str = "bpe"  # bpe: a byte-level BPE trained on the data | t5: the paper's T5 tokenizer | smollm (Appendix G)
+    bpe_vocab: int | None = None  # vocabulary of the trained BPE; None -> the model's vocab_size
+    data_cache: str = "data_cache"  # folder for tokenized data, reused by every run on the same data and tokenizer
+    max_data_tokens: int | None = None  # cap on train tokens read from the source; None -> all (fineweb-edu: the budget)
+    val_fraction: float | None = None  # share of documents held out for validation; None -> 5% (0.5% for fineweb-edu), by hash
     data_workers: int | None = None  # tokenizer processes preparing data; None -> CPU cores - 1, at most 32 (same tokens for any)
     # batch and budget
-    seq_len: int = 1024
+    seq_len: int = 1024  # tokens per training sequence
     global_batch: int = 512  # sequences per optimizer step, summed over ranks
-    micro_batch: int | None = None  # sequences per forward pass per rank; None -> global_batch / world_size
-    tokens: int | None = None  # training budget; total steps = tokens / (global_batch * seq_len)
-    max_steps: int | None = None  # total steps (overrides tokens); the LR schedule ends here
-    stop_step: int | None = None  # stop early at this step with a checkpoint; --resume continues the same schedule
+    micro_batch: int | None = None  # sequences per forward pass per rank (lower it to fit memory); None -> global_batch / world_size
+    tokens: int | None = None  # training budget in tokens: steps = tokens / (global_batch * seq_len); None -> max_steps sets it
+    max_steps: int | None = None  # training budget in optimizer steps (overrides tokens); the LR schedule ends here; None -> from tokens
+    stop_step: int | None = None  # stop early at this step with a checkpoint; --resume continues the same schedule; None -> run to the end
     # optimizer and schedule: the paper's setup with He et al.'s reference configs (see TRAIN_PRESETS)
-    lr: float = 1e-3  # the best of the paper's sweep at 60m
-    min_lr_ratio: float = 0.1  # cosine decays to 0.1x peak
-    warmup_frac: float = 0.1  # linear warmup over the first 10% of steps
-    weight_decay: float = 0.1  # (ours) on matrices only: norm scales are not decayed
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
+    lr: float = 1e-3  # peak learning rate (AdamW); the best of the paper's sweep at 60m
+    min_lr_ratio: float = 0.1  # the cosine schedule decays to this fraction of the peak
+    warmup_frac: float = 0.1  # linear warmup over this fraction of the steps
+    weight_decay: float = 0.1  # AdamW weight decay, (ours) on matrices only: norm scales are not decayed
+    beta1: float = 0.9  # AdamW beta1 (first-moment decay)
+    beta2: float = 0.95  # AdamW beta2 (second-moment decay)
+    grad_clip: float = 1.0  # clip the global gradient norm to this
     # evaluation and checkpoints (a checkpoint is written at every eval)
-    eval_interval: int = 250
+    eval_interval: int = 250  # steps between validation evaluations, each followed by a checkpoint
     eval_batches: int = 8  # fixed val batches of global_batch sequences, the same for any micro_batch or world size
     # system
-    out_dir: str = "out"
-    device: str = "auto"  # auto -> cuda if available, else cpu
-    dtype: str = "auto"  # auto -> bfloat16 on CUDA, float32 elsewhere
-    compile: bool | None = None  # None -> on for CUDA, off for CPU (ours)
+    out_dir: str = "out"  # folder for checkpoints, metrics.jsonl and plots
+    device: str = "auto"  # where to train: auto picks cuda, then mps (Apple silicon), then cpu
+    dtype: str = "auto"  # autocast dtype: auto picks bfloat16 on GPUs with it, float16 + loss scaling on T4/V100, float32 on CPU/MPS
+    compile: bool | None = None  # torch.compile the training step (slow start, fast steps); None -> auto: on for CUDA, off elsewhere (ours)
     compile_backend: str = "inductor"  # torch.compile backend (ours): aot_eager checks the capture on CPU in seconds
-    seed: int = 1337
-    resume: bool = False
+    seed: int = 1337  # seeds the weights and the data order
+    resume: bool = False  # continue the run in out_dir exactly, from its latest checkpoint
     quiet: bool = False  # no prints, no progress bar (notebooks)
     ddp_timeout_s: int = 600  # a rank that dies makes the others fail after this, never hang (ours)
     skip_nonfinite: bool = False  # skip a step whose loss or gradient is inf/NaN (counted, logged) instead of stopping
-    max_skips: int = 10  # ... but stop after this many skipped steps in a row: the run has diverged (ours)
-    keep_every: int | None = None  # also keep the checkpoints at multiples of this step (latest and best are always kept)
+    max_skips: int = 10  # with skip_nonfinite: stop after this many skipped steps in a row, the run has diverged (ours)
+    keep_every: int | None = None  # also keep the checkpoints at multiples of this step; None -> keep latest and best only
     # Weights & Biases (optional extra: pip install -e ".[wandb]"): the same rows as metrics.jsonl, rank 0 only
-    wandb: bool = False
-    wandb_project: str = "minimal-asymloop"
-    wandb_run_name: str | None = None  # None: wandb picks one
+    wandb: bool = False  # also log to Weights & Biases
+    wandb_project: str = "minimal-asymloop"  # the W&B project to log to
+    wandb_run_name: str | None = None  # the W&B run's name; None -> wandb picks one
     # ALRS layerwise learning rates (He et al. 2026; alrs.py); --no-alrs and --alrs-range LO HI also work
-    alrs: bool | None = None  # None -> on for asymloop, off for dense and full_loop (as in the paper); full_loop + true: Table 4c
-    alrs_fit: str = "ww"  # ww: weightwatcher's fit (xmin by KS distance) | hill_median: the reference code's
-    alrs_lo: float = 1.0  # multipliers run from lo (smallest alpha) to hi (largest alpha)
-    alrs_hi: float = 5.0
+    alrs: bool | None = None  # ALRS layerwise LRs (full_loop + on: Table 4c); None -> auto: on for asymloop, off otherwise (the paper)
+    alrs_fit: str = "ww"  # the alpha fit: ww, weightwatcher's (xmin by KS distance) | hill_median, the reference code's
+    alrs_lo: float = 1.0  # the smallest LR multiplier, for the matrix of smallest alpha
+    alrs_hi: float = 5.0  # the largest LR multiplier, for the matrix of largest alpha
     alrs_every: int = 100  # steps between allocations
     alrs_phase: float = 0.2  # allocate while step <= phase * total steps, then freeze
     alrs_ramp: int = 50  # steps of linear transition to each new allocation
-    # the paper's Table 4b baseline instead of ALRS: this one LR multiplier on every decoder matrix (asymloop only)
-    dec_lr_mult: float | None = None
+    dec_lr_mult: float | None = None  # Table 4b's baseline instead of ALRS: one LR multiplier for all decoder matrices; None -> off
 
     def __post_init__(self):
         for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "ddp_timeout_s", "max_skips"):
@@ -76,8 +80,9 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of float32, bfloat16 (or auto)")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        check_device_name(self.device)
         if self.tokenizer not in TOKENIZERS:
             raise ConfigError(f"unknown tokenizer {self.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
         if self.max_steps is None and self.tokens is None:
@@ -141,3 +146,13 @@ def alrs_hook(cfg: TrainConfig) -> alrs.ALRS:
         return alrs.ALRS(cfg.total_steps(), cfg.alrs_fit, cfg.alrs_lo, cfg.alrs_hi, cfg.alrs_every, cfg.alrs_phase, cfg.alrs_ramp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each dataclass field's description: the comment at the end of its line in the source. train_minimal.py's --help
+    prints these, so a field's comment is its documentation (a comment on the lines above it is not)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    body = ast.parse(source).body[0].body
+    return {node.target.id: comments.get(node.end_lineno, "") for node in body if isinstance(node, ast.AnnAssign)}

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minimal_asymloop.system import default_device
+
 # The paper's seven zero/five-shot tasks in its Table 1's order: our name -> (column, lm-eval task name)
 PAPER_TASKS = {
     "openbookqa": ("OBQA", "openbookqa"),
@@ -295,7 +297,7 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=None, help="at most this many examples per task (quick checks only)")
     p.add_argument("--include-path", default=None, help="a folder of your own lm-eval task YAMLs")
     p.add_argument("--batch-size", type=int, default=16, help="lm-eval requests per forward pass")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=default_device(), help="cuda, cuda:N, mps or cpu (default: CUDA, then MPS, then CPU)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=None, help="JSON path (default: <checkpoint>/eval_k{K}.json; for a Hub repo "
                    "./eval_<owner>--<name>_k{K}.json; with --all-checkpoints <run>/downstream_k{K}.json)")

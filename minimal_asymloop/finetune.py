@@ -327,6 +327,10 @@ def run(ckpt_path: str, cfg: FinetuneConfig, eval_only: bool = False, quiet: boo
     """Fine-tune (unless eval_only), save the model as a checkpoint in cfg.out_dir, then evaluate on the test split."""
     say = (lambda *a: None) if quiet else tqdm.write
     device, dtype = resolve_device(TrainConfig(max_steps=1, device=cfg.device, dtype=cfg.dtype), 0)
+    if dtype == torch.float16:  # fine-tuning has no loss scaler (train_minimal.py has one): float32 on GPUs without bf16
+        if cfg.dtype == "float16":
+            raise FinetuneError("fine-tuning runs without fp16 loss scaling; use --dtype float32, or bfloat16 on a GPU with it")
+        dtype = torch.float32
     splits = load_gsm8k(cfg.data)  # before the model: a missing dataset fails in seconds
     model, tokenizer, meta = ckpt.load_model(ckpt_path, device=device)
     if cfg.n_iter is not None and model.config.arch == "dense":

@@ -45,30 +45,30 @@ PAPER_MOE = dict(moe_experts=8, moe_top_k=2)
 
 @dataclass
 class ModelConfig:
-    arch: str = "asymloop"
+    arch: str = "asymloop"  # dense: L blocks once | full_loop: L blocks K times | asymloop: E encoder blocks, then D decoder blocks K times
     n_layer: int = 6  # L physical blocks (E + D for asymloop)
-    n_enc: int | None = None  # E; None -> n_layer // 2 for asymloop, 0 otherwise
-    n_iter: int | None = None  # K; None -> 1 dense, 2 full_loop, 3 asymloop
-    d_model: int = 768
-    n_head: int = 6
-    d_ff: int = 2048
-    vocab_size: int = 32128
-    max_seq_len: int = 1024
-    rope_theta: float = 10000.0  # (ours) LLaMA's default; the paper does not state it
-    qk_norm: bool | None = None  # None -> on for asymloop only (ours)
-    context: str | None = None  # asymloop context access; None -> "global_kv" (asymloop) / "none"
-    local_kv: bool = True  # False: "without Local KV" ablation
-    norm_eps: float = 1e-6  # (ours)
-    init_std: float = 0.02  # (ours) see LoopedLM.init_weights
+    n_enc: int | None = None  # E, the encoder blocks of asymloop; None -> n_layer // 2 for asymloop, 0 otherwise
+    n_iter: int | None = None  # K, loop iterations; None -> 1 dense, 2 full_loop, 3 asymloop
+    d_model: int = 768  # model width
+    n_head: int = 6  # attention heads (head dim = d_model / n_head, even for RoPE)
+    d_ff: int = 2048  # SwiGLU hidden width
+    vocab_size: int = 32128  # embedding rows: at least the tokenizer's (the paper pads T5's 32100 to 32128)
+    max_seq_len: int = 1024  # longest sequence the RoPE tables cover
+    rope_theta: float = 10000.0  # RoPE base, (ours) LLaMA's default; the paper does not state it
+    qk_norm: bool | None = None  # RMSNorm on queries and keys; None -> auto: on for asymloop and the olmo2 backbone (ours)
+    context: str | None = None  # asymloop context access: global_kv | additive | none; None -> global_kv (asymloop), none otherwise
+    local_kv: bool = True  # the decoder's own keys and values each iteration; false: the "without Local KV" ablation
+    norm_eps: float = 1e-6  # RMSNorm epsilon (ours)
+    init_std: float = 0.02  # std of the normal weight init (ours), see LoopedLM.init_weights
     # (ours) an OLMo-2 option, not what the paper ran: "olmo2" puts each RMSNorm on its sublayer's output,
     # x + Norm(Attn(x)), x + Norm(MLP(x)), and turns QKNorm on by default. See Block.
-    backbone: str = "llama"
-    # decoder FFN width; None -> d_ff. Table 4a's parameter-matched "without Global KV" gives the Global KV
-    # projections' parameters to a wider decoder FFN: see matched_dec_d_ff
-    dec_d_ff: int | None = None
-    # sparse MoE FFN (the paper's MoE extension): 0 -> dense SwiGLU; else this many SwiGLU experts, top-k routed
-    moe_experts: int = 0
-    moe_top_k: int = 2
+    backbone: str = "llama"  # llama: pre-norm blocks (the paper) | olmo2: norm on each sublayer's output (ours)
+    # Table 4a's parameter-matched "without Global KV" gives the Global KV projections' parameters to a wider
+    # decoder FFN: see matched_dec_d_ff
+    dec_d_ff: int | None = None  # asymloop's decoder FFN width; None -> d_ff
+    # sparse MoE FFN (the paper's MoE extension)
+    moe_experts: int = 0  # SwiGLU experts per FFN, top-k routed; 0 -> a dense SwiGLU FFN
+    moe_top_k: int = 2  # experts each token is routed to
     moe_d_ff: int | None = None  # expert width; None -> d_ff // moe_top_k (ours: active params = dense FFN)
     moe_balance_weight: float = 0.01  # load-balancing loss weight (paper)
     moe_z_weight: float = 0.001  # router z-loss weight (paper)

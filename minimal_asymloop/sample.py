@@ -15,6 +15,7 @@ import torch
 
 from minimal_asymloop.checkpoint import CheckpointError, load_model
 from minimal_asymloop.sources import DataError, eot_id
+from minimal_asymloop.system import ConfigError, mps_error, pick_device
 
 
 def doc_end_id(tokenizer) -> int | None:
@@ -67,7 +68,7 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cuda, cuda:N, mps or cpu")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; for comparison)")
     args = p.parse_args(argv)
     for name in ("max_new_tokens", "num_samples"):
@@ -80,19 +81,24 @@ def main(argv=None):
     if args.top_k is not None and args.top_k < 1:
         p.error(f"--top-k must be >= 1, got {args.top_k}")
     try:
-        model, tokenizer, meta = load_model(args.ckpt, args.device)
-    except CheckpointError as e:
+        device = pick_device(args.device)
+        model, tokenizer, meta = load_model(args.ckpt, device)
+    except (CheckpointError, ConfigError) as e:
         sys.exit(f"error: {e}")
     cfg = model.config
     if args.n_iter is not None and cfg.arch == "dense":
         p.error("--n-iter applies to looped models (full_loop, asymloop); this checkpoint is dense")
     print(f"{meta['path']}: {cfg.arch}, step {meta.get('step')}, trained K={cfg.n_iter}, sampling at "
-          f"K={args.n_iter or cfg.n_iter}, {'KV cache' if not args.no_cache else 'no cache'}, {args.device}", file=sys.stderr)
+          f"K={args.n_iter or cfg.n_iter}, {'KV cache' if not args.no_cache else 'no cache'}, {device}", file=sys.stderr)
     try:
         texts = sample(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.n_iter,
                        args.num_samples, args.seed, not args.no_cache)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    except (RuntimeError, TypeError) as e:
+        if (err := mps_error(e)) is None:  # an op or dtype MPS lacks: one line naming the fix
+            raise
+        sys.exit(f"error: {err}")
     print("\n\n---\n\n".join(texts))
     return texts
 

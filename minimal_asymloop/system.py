@@ -1,11 +1,12 @@
-"""System plumbing for training and the benchmarks: errors, device and dtype, bf16 autocast, signals, GPU peak
-FLOP/s for MFU, a device-synchronized timer, the optional wandb import, the out-dir check, and the DDP lost-rank
-message. Not part of the method.
+"""System plumbing for training and the benchmarks: errors, device and dtype, autocast and the fp16 loss scaler, MPS's
+missing ops, signals, GPU peak FLOP/s for MFU, a device-synchronized timer, the optional wandb import, the out-dir
+check, and the DDP lost-rank message. Not part of the method.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -82,9 +83,17 @@ def peak_flops_or_reason(device: torch.device, say) -> float | None:
     return peak
 
 
+def synchronize(device: torch.device):
+    """Wait for the GPU (CUDA or MPS) to finish its queued work, so that a timer reads the real time; nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def timeit(fn, device, warmup=2, min_time=1.0, max_iters=50):
     """Median seconds per call of fn() after warmup."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = lambda: synchronize(device)
     for _ in range(warmup):
         fn()
     sync()
@@ -108,24 +117,78 @@ def wandb_module(cfg):
     return wandb
 
 
-def autocast_context(device, dtype):
-    device = torch.device(device)
-    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
+DEVICES = ("auto", "cuda", "mps", "cpu")  # and cuda:N
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_device() -> str:
+    """What --device auto picks: CUDA, then MPS (Apple silicon), then CPU."""
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def check_device_name(name: str):
+    """A one-line ConfigError for a --device that names no device kind."""
+    if name not in DEVICES and not re.fullmatch(r"cuda:\d+", name):
+        raise ConfigError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)} (or cuda:N for the N-th GPU)")
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """The torch.device for --device `name` on this machine (auto: CUDA, then MPS, then CPU), or a one-line ConfigError."""
+    check_device_name(name)
+    kind = default_device() if name == "auto" else name
+    if kind.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name} asked for, but CUDA is not available; use --device auto (here: {default_device()})")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        why = "needs Apple silicon and macOS 12.3 or newer" if torch.backends.mps.is_built() else "this PyTorch build has no MPS"
+        raise ConfigError(f"--device mps asked for, but MPS is not available ({why}); use --device auto (here: {default_device()})")
+    return torch.device(f"cuda:{local_rank}" if kind == "cuda" else kind)
 
 
 def resolve_device(cfg, local_rank: int) -> tuple[torch.device, torch.dtype]:
-    name = cfg.device
+    """(device, dtype) for cfg.device and cfg.dtype on this machine, or a one-line ConfigError naming the fix."""
+    device = pick_device(cfg.device, local_rank)
+    return device, resolve_dtype(cfg.dtype, device)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype: auto -> bfloat16 on a CUDA GPU that has it (compute capability >= 8.0), float16 with loss
+    scaling on one that does not (T4, V100), float32 on CPU and MPS."""
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 is slow
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device {cfg.device!r} asked for but CUDA is not available; use --device cpu")
-        name = f"cuda:{local_rank}" if name == "cuda" else name
-    device = torch.device(name)
-    dtype = cfg.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-    return device, getattr(torch, dtype)
+        # (ours) float32 on MPS: PyTorch's MPS autocast and GradScaler are recent and vary with the macOS version
+        name = ("bfloat16" if bf16 else "float16") if device.type == "cuda" else "float32"
+    if name == "bfloat16" and device.type == "cuda" and not bf16:
+        raise ConfigError(f"this GPU ({torch.cuda.get_device_name(device)}) has no bfloat16 arithmetic (it needs compute capability "
+                          f">= 8.0); use --dtype float16, which trains with loss scaling, or --dtype auto")
+    return getattr(torch, name)
+
+
+def autocast_context(device, dtype):
+    """torch.autocast in bf16 or fp16; nothing for float32."""
+    device = torch.device(device)
+    return torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16) else nullcontext()
+
+
+def grad_scaler(device: torch.device, dtype: torch.dtype) -> torch.amp.GradScaler:
+    """fp16's loss scaler: it multiplies the loss before backward, so that small gradients do not flush to zero in fp16, and
+    skips a step whose gradients overflowed (then halves the scale). For bf16 and fp32 a disabled one: every call passes through."""
+    return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+
+def mps_error(e: BaseException) -> ConfigError | None:
+    """One line for an op or dtype that PyTorch's MPS backend lacks, naming the fix; None for any other error."""
+    text = " ".join(str(e).split())
+    if "MPS" not in text:
+        return None
+    if isinstance(e, NotImplementedError) or "not currently implemented" in text:
+        op = re.search(r"operator '([^']+)'", text)
+        return ConfigError(f"PyTorch {torch.__version__} has no MPS kernel for {op.group(1) if op else 'an operator this run uses'}; "
+                           f"rerun with PYTORCH_ENABLE_MPS_FALLBACK=1 (that op then runs on the CPU) or use --device cpu")
+    if any(k in text.lower() for k in ("dtype", "float64", "bfloat16", "float16", "half")):
+        return ConfigError(f"the MPS backend cannot run a dtype this run uses ({text[:160]}); use --dtype float32")
+    return None
 
 
 @contextmanager

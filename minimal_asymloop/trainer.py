@@ -35,11 +35,14 @@ from minimal_asymloop.system import (  # noqa: F401 (gpu_peak_flops: re-exported
     autocast_context,
     check_out_dir,
     gpu_peak_flops,
+    grad_scaler,
     lost_ranks_error,
+    mps_error,
     peak_flops_or_reason,
     rank_and_world,
     resolve_device,
     stop_on_signals,
+    synchronize,
     wandb_module,
 )
 
@@ -82,7 +85,8 @@ def evaluate_loss(model, tokens: Tokens, seq_len: int, batch_size: int, n_batche
     rank, world = rank_and_world()
     starts = eval_windows(tokens, seq_len, n_batches * batch_size)
     chunk = micro_batch or batch_size
-    totals = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of per-window losses, windows)
+    acc = torch.float32 if torch.device(device).type == "mps" else torch.float64  # MPS has no float64
+    totals = torch.zeros(2, device=device, dtype=acc)  # (sum of per-window losses, windows)
     was_training = model.training
     model.eval()
     for c in range(rank, math.ceil(len(starts) / chunk), world):
@@ -90,7 +94,7 @@ def evaluate_loss(model, tokens: Tokens, seq_len: int, batch_size: int, n_batche
         w = torch.from_numpy(w).to(device)  # (B, T+1)
         with autocast_context(device, dtype):
             _, ce, _ = compute_loss(model, w[:, :-1], w[:, 1:])
-        totals += torch.stack([ce.double() * len(w), torch.tensor(float(len(w)), device=device, dtype=torch.float64)])
+        totals += torch.stack([ce.to(acc) * len(w), torch.tensor(float(len(w)), device=device, dtype=acc)])
     model.train(was_training)
     if world > 1:
         dist.all_reduce(totals)
@@ -168,8 +172,10 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
                     run.say(f"stopped by {flag.get('signal', 'a signal on another rank')} at step {run.step}; checkpoint written, "
                             f"continue with --resume")
                     break
-    except RuntimeError as e:
-        if run.world > 1 and (err := lost_ranks_error(e, run.rank, run.step + 1, cfg)) is not None:
+    except (RuntimeError, TypeError) as e:
+        if isinstance(e, RuntimeError) and run.world > 1 and (err := lost_ranks_error(e, run.rank, run.step + 1, cfg)) is not None:
+            raise err from None
+        if (err := mps_error(e)) is not None:  # an op or dtype MPS lacks: one line naming the fix
             raise err from None
         raise
     finally:
@@ -217,6 +223,8 @@ class Run:
     val_loss: float | None = None
     skipped: int = 0  # non-finite steps skipped (--skip-nonfinite), all told
     skipped_in_row: int = 0
+    scaler: torch.amp.GradScaler = None  # fp16's loss scaler; disabled (a pass-through) for bf16 and fp32
+    overflow_skipped: int = 0  # fp16 steps the scaler skipped because the gradients overflowed, all told
 
     @property
     def master(self) -> bool:
@@ -254,7 +262,7 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
     optimizer = torch.optim.AdamW(param_groups(raw, cfg.weight_decay, per_matrix), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   fused=device.type == "cuda")
     run = Run(model_cfg, cfg, rank, world, device, dtype, micro, cfg.global_batch // (micro * world), data, raw, optimizer, lr_hook,
-              Path(cfg.out_dir), tqdm.write if rank == 0 and not cfg.quiet else (lambda *a, **k: None))
+              Path(cfg.out_dir), tqdm.write if rank == 0 and not cfg.quiet else (lambda *a, **k: None), scaler=grad_scaler(device, dtype))
     if run.master:
         check_out_dir(run.out_dir)
     if cfg.resume:
@@ -292,7 +300,10 @@ def resume(run: Run):
     if run.lr_hook is not None:
         run.lr_hook.load_state_dict(state["lr_hook"])
     restore_rng(state["rng"], run.device)
+    if run.scaler.is_enabled() and state.get("grad_scaler"):  # fp16: the loss scale and its growth count continue
+        run.scaler.load_state_dict(state["grad_scaler"])
     run.step, run.best_val, run.skipped = state["step"], state["best_val_loss"], state.get("nonfinite_skipped", 0)
+    run.overflow_skipped = state.get("overflow_skipped", 0)
     run.wandb_id = state.get("wandb_id")
     if run.master:
         trim_metrics(run.out_dir, run.step)
@@ -301,18 +312,21 @@ def resume(run: Run):
 
 def rng_state(device: torch.device) -> dict:
     """This process's RNG: CPU, and the current CUDA device's (not every visible GPU's, so that a checkpoint
-    resumes on any number of GPUs, or on CPU). Every rank seeds alike and draws alike, so rank 0's is every rank's."""
-    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    resumes on any number of GPUs, or on CPU) or MPS's. Every rank seeds alike and draws alike, so rank 0's is every rank's."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                mps=torch.mps.get_rng_state() if device.type == "mps" else None)
 
 
 def restore_rng(rng: dict, device: torch.device):
-    """Set the RNG from rng_state(): the CUDA part only on a CUDA device (a CPU resume has no CUDA generator to set)."""
+    """Set the RNG from rng_state(): the GPU part only on that kind of device (a CPU resume has no GPU generator to set)."""
     torch.set_rng_state(rng["torch"])
     cuda = rng.get("cuda")
     if isinstance(cuda, (list, tuple)):  # older checkpoints: rank 0's state of every visible GPU; rank 0 ran on the first
         cuda = cuda[0] if cuda else None
     if cuda is not None and device.type == "cuda":
         torch.cuda.set_rng_state(cuda, device)
+    if rng.get("mps") is not None and device.type == "mps":
+        torch.mps.set_rng_state(rng["mps"])
 
 
 def compile_and_wrap(run: Run) -> torch.nn.Module:
@@ -342,7 +356,8 @@ def describe(run: Run):
             f"{flops_per_token(mc, cfg.seq_len)['total'] / 1e6:.1f} MFLOPs/token forward at seq {cfg.seq_len}")
     run.say(f"{tokens_per_step:,} tokens/step (global batch {cfg.global_batch} = micro {run.micro} x accum {run.accum} x world "
             f"{run.world}), {total} steps = {total * tokens_per_step / 1e6:.1f}M tokens ({total * tokens_per_step / n_params:.2f} "
-            f"tokens/param); {run.device} {str(run.dtype).removeprefix('torch.')}{' compiled' if compile_on(cfg, run.device) else ''}")
+            f"tokens/param); {run.device} {str(run.dtype).removeprefix('torch.')}{' with loss scaling' if run.scaler.is_enabled() else ''}"
+            f"{' compiled' if compile_on(cfg, run.device) else ''}")
     if isinstance(run.lr_hook, alrs.ALRS):
         run.say(run.lr_hook.describe(run.raw))
     run.say(f"data: {run.data.meta['n_train_tokens']:,} train / {run.data.meta['n_val_tokens']:,} val tokens; "
@@ -361,6 +376,7 @@ def optimizer_step(run: Run, step: int, flag: dict) -> bool:
     for g in run.optimizer.param_groups:
         g["lr"] = lr * g["lr_mult"]
     ce_sum, aux_sum = accumulate_gradients(run, step)
+    run.scaler.unscale_(run.optimizer)  # fp16: true gradients before clipping (a no-op for bf16 and fp32)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.grad_clip)
     # one small all-reduce: mean loss over ranks, and whether any rank was asked to stop
     stats = torch.stack([ce_sum.float(), torch.tensor(float(bool(flag)), device=run.device), *[v.float() for v in aux_sum.values()]])
@@ -368,20 +384,25 @@ def optimizer_step(run: Run, step: int, flag: dict) -> bool:
         dist.all_reduce(stats)
         stats /= run.world  # stats[1] > 0 still means "some rank got a signal"
     loss_val, stop, gn = stats[0].item(), stats[1].item() > 0, grad_norm.item()
+    scale = run.scaler.get_scale() if run.scaler.is_enabled() else None  # fp16: the loss scale this step ran at
     if math.isfinite(loss_val) and math.isfinite(gn):
-        run.optimizer.step()
+        run.scaler.step(run.optimizer)  # = optimizer.step(); fp16: it saw the finite gradients in unscale_ above
         run.skipped_in_row = 0
+    elif math.isfinite(loss_val) and scale is not None and scale >= 1:
+        overflow_skip(run, step, scale)  # fp16 gradients overflowed at this scale: skipped, the scaler lowers it (ours: scale >= 1)
     else:
         skip_or_stop(run, step, loss_val, gn)  # drops this step's update (the LR schedule and data order move on)
+    run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
-    if run.device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(run.device)
     dt, tokens_per_step = time.time() - t0, cfg.global_batch * cfg.seq_len
     row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn, tok_per_s=tokens_per_step / dt,
                step_s=dt)
     row.update({k: v.item() for k, v in zip(aux_sum, stats[2:])})
     if run.skipped:
         row["nonfinite_skipped"] = run.skipped
+    if scale is not None:
+        row.update(loss_scale=scale, overflow_skipped=run.overflow_skipped)
     row.update(run.raw.moe_load_entropy())  # MoE: per-layer expert-load entropy, last micro-batch of rank 0
     if run.peak_flops:
         row["mfu"] = 3 * flops_per_token(run.model_cfg, cfg.seq_len)["total"] * tokens_per_step / dt / (run.peak_flops * run.world)
@@ -405,11 +426,19 @@ def accumulate_gradients(run: Run, step: int) -> tuple[torch.Tensor, dict]:
                 loss, ce, aux = compute_loss(run.model, x, y)  # (B, T) tokens -> scalar
             if step + 1 in nan_steps:  # test hook (NAN_ENV): a NaN loss, and so NaN gradients
                 loss, ce = loss * math.nan, ce * math.nan
-            (loss / run.accum).backward()
+            run.scaler.scale(loss / run.accum).backward()  # fp16: scaled so small gradients survive; else unchanged
         ce_sum += ce.detach() / run.accum
         for k, v in aux.items():
             aux_sum[k] = aux_sum.get(k, 0.0) + v.detach() / run.accum
     return ce_sum, aux_sum
+
+
+def overflow_skip(run: Run, step: int, scale: float):
+    """fp16: the gradients overflowed at this loss scale. The scaler skipped the update and halves the scale; counted and
+    said, apart from --skip-nonfinite's count. Below scale 1 an overflow is the gradient's own: skip_or_stop handles it."""
+    run.overflow_skipped += 1
+    run.say(f"step {step + 1}: fp16 gradients overflowed at loss scale {scale:g}; step skipped, scale halved "
+            f"({run.overflow_skipped} overflow steps so far)")
 
 
 def skip_or_stop(run: Run, step: int, loss_val: float, gn: float):
@@ -456,7 +485,8 @@ def save(run: Run, val_loss: float | None, best: bool):
     cfg, data = run.cfg, run.data
     state = dict(step=run.step, samples_seen=run.step * cfg.global_batch, optimizer=run.optimizer.state_dict(), best_val_loss=run.best_val,
                  rng=rng_state(run.device), lr_hook=run.lr_hook.state_dict() if run.lr_hook is not None else None,
-                 nonfinite_skipped=run.skipped, wandb_id=run.wandb.id if run.wandb is not None else run.wandb_id)
+                 nonfinite_skipped=run.skipped, wandb_id=run.wandb.id if run.wandb is not None else run.wandb_id,
+                 grad_scaler=run.scaler.state_dict(), overflow_skipped=run.overflow_skipped)
     meta = dict(model_config=run.model_cfg.to_dict(), train_config=asdict(cfg), params=count_params(run.model_cfg),
                 data=dict(source=cfg.data, identity=data.meta["identity"], tokenizer=data.meta["tokenizer"], vocab_size=data.vocab_size,
                           unigram_entropy=data.unigram_entropy),
@@ -472,7 +502,7 @@ def wrap_up(run: Run, flag: dict, seconds: float) -> dict:
     done, total = run.step, run.cfg.total_steps()
     result = dict(step=done, total_steps=total, val_loss=run.val_loss, best_val_loss=run.best_val, unigram_entropy=run.data.unigram_entropy,
                   interrupted=bool(flag) or done < total, seconds=seconds, params=count_params(run.model_cfg), out_dir=str(run.out_dir),
-                  nonfinite_skipped=run.skipped, signal=flag.get("signal"))
+                  nonfinite_skipped=run.skipped, overflow_skipped=run.overflow_skipped, signal=flag.get("signal"))
     if not run.master:
         return result
     result["history"] = read_metrics(run.out_dir)
@@ -483,6 +513,9 @@ def wrap_up(run: Run, flag: dict, seconds: float) -> dict:
     if isinstance(run.lr_hook, alrs.ALRS) and (rep := alrs.report(run.out_dir, result["history"], run.lr_hook.ramp_len, done)):
         result["alrs_plot"] = rep[0]
         run.say(rep[1])
+    if run.scaler.is_enabled():
+        run.say(f"fp16 loss scaling: {run.overflow_skipped} of {done} steps skipped for gradient overflow; loss scale now "
+                f"{run.scaler.get_scale():g}")
     if run.val_loss is not None and not result["interrupted"]:
         run.say(f"final val loss {run.val_loss:.4f} nats/token (ppl {math.exp(run.val_loss):.1f}) vs unigram entropy "
                 f"{run.data.unigram_entropy:.3f} after {done} steps, {seconds:.0f}s; checkpoints and loss.png in {run.out_dir}")
