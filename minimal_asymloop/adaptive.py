@@ -96,3 +96,15 @@ def chain_batch(n: int | None = None, seed: int = 1234):
 
     task = ChainTask(**experiments.CHAIN_TASK)
     return task.batch(n or experiments.CHAIN_EVAL, torch.Generator().manual_seed(seed))
+
+
+def mean_of(sweeps: list[dict]) -> dict:
+    """Sweeps of equal-sized batches merged: every number the mean over the batches (so a token-weighted mean)."""
+    def avg(vals):
+        if isinstance(vals[0], dict):
+            return {k: avg([v[k] for v in vals]) for k in vals[0]}
+        if isinstance(vals[0], list):
+            return [avg(list(v)) for v in zip(*vals)]
+        return vals[0] if isinstance(vals[0], int) else sum(vals) / len(vals)
+
+    return avg(sweeps)
