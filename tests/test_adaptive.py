@@ -178,3 +178,24 @@ def test_bad_input():
         m.generate(idx, 3, max_iter=4)  # max_iter without a threshold
     with pytest.raises(ValueError, match="needs a looped model"):
         adaptive_logits(model_for(tiny("dense")), idx, 0.1)
+
+
+def test_bench_chain_sweep(tmp_path):
+    """The bench's chain-task sweep on a committed model: tau = 0 is the fixed-K_max row, and 3-hop answers stop later."""
+    import json
+
+    from minimal_asymloop.bench import main
+
+    out = tmp_path / "adaptive.json"
+    main(["adaptive", "--ckpt", "none", "--seeds", "1", "--taus", "0", "0.03", "--chain-max-iter", "3", "--out", str(out)])
+    run = json.loads(out.read_text())["chain"]["runs"][0]
+    fixed, (zero, tau) = run["fixed"][-1], run["adaptive"]
+    assert {k: zero[k] for k in ("ce", "acc", "mean_iter")} == {k: fixed[k] for k in ("ce", "acc", "mean_iter")}
+    assert tau["mean_iter"] < 3 and tau["iter_by_hops"]["3"] > tau["iter_by_hops"]["1"]
+
+
+def test_bench_names_a_missing_checkpoint(tmp_path):
+    from minimal_asymloop.bench import main
+
+    with pytest.raises(SystemExit, match="python train_minimal.py"):
+        main(["adaptive", "--ckpt", "out/no-such-run", "--seeds"])
