@@ -3,11 +3,16 @@
 A KVCache keeps every attention call's keys and values between steps, so after the prompt
 each new token runs one position through the model: the encoder and the Global KV once,
 the decoder K times, each iteration reading its own Local KV cache.
+
+Adaptive depth (`generate(..., exit_threshold=tau, max_iter=K_max)`, `adaptive_logits` for whole sequences) runs
+the decoder one iteration at a time and stops each token once its logit-lens prediction has settled; see
+adaptive_states and docs/generation.md.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class LayerKV:
@@ -50,13 +55,33 @@ class KVCache:
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             n_iter: int | None = None, use_cache: bool = True, stop_id: int | None = None):
+             n_iter: int | None = None, use_cache: bool = True, stop_id: int | None = None,
+             exit_threshold: float | None = None, max_iter: int | None = None):
     """Append up to max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy.
 
     With the cache, the prompt runs in one forward pass (prefill), then each step runs
     only the newest token. n_iter may differ from the trained K (test-time depth).
     stop_id: stop early once every row has generated this token (rows keep going until then).
+    exit_threshold: adaptive depth, up to max_iter iterations per token (see generate_adaptive).
     """
+    if exit_threshold is not None or max_iter is not None:
+        return generate_adaptive(model, idx, max_new_tokens, temperature, top_k, use_cache, stop_id,
+                                 exit_threshold, max_iter or n_iter)[0]
+    check_generate_args(idx, max_new_tokens, temperature, top_k)
+    window, prompt_len = model.config.max_seq_len, idx.size(1)
+    cache = KVCache() if use_cache else None
+    for _ in range(max_new_tokens):
+        if idx.size(1) > window:  # (ours) past max_seq_len the window slides, like nanoGPT; the
+            cache = None  # cached keys sit at the wrong RoPE positions, so recompute from here on
+        new = idx[:, -window:] if cache is None else idx[:, cache.pos:]  # cached: the prompt, then one token
+        logits = model.logits(model.states(new, n_iter, cache)[-1][:, -1])  # (B, V)
+        idx = torch.cat([idx, pick_next(logits, temperature, top_k)], dim=1)
+        if stop_id is not None and (idx[:, prompt_len:] == stop_id).any(dim=1).all():
+            break
+    return idx
+
+
+def check_generate_args(idx, max_new_tokens, temperature, top_k):
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if temperature < 0:
@@ -65,25 +90,161 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k: i
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
     if idx.dim() != 2 or idx.size(1) == 0:
         raise ValueError(f"idx must be a (batch, length>=1) tensor of token ids, got shape {tuple(idx.shape)}")
-    window, prompt_len = model.config.max_seq_len, idx.size(1)
-    cache = KVCache() if use_cache else None
+
+
+def pick_next(logits, temperature: float, top_k: int | None):
+    """The next token (B, 1) from the last position's logits (B, V): argmax at temperature 0, else sampled."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
+
+
+# ----------------------------------------------------------------------------- adaptive depth
+
+
+class AdaptiveKVCache(KVCache):
+    """A KVCache for adaptive depth. Every (iteration, layer) Local KV keeps one row per token, as at fixed
+    K = max_iter: a token that exited after iteration j holds copies of its iteration-j rows at j+1..max_iter,
+    which is what later tokens read there (Huginn's "latest" lookup, stored instead of looked up). So the cache
+    takes as many bytes as at fixed max_iter; `reused_rows` counts the copies a compact cache would not store.
+
+    exit_iter: (B, T) iterations each cached token ran. record=True keeps, in `fed`, the (K, V) that each
+    (kind, iteration, layer) attention call last received, for tests and probes.
+    """
+
+    def __init__(self, record: bool = False):
+        super().__init__()
+        self.exit_iter = None
+        self.fed = {} if record else None
+
+    def reused_rows(self) -> int:
+        """Local KV rows (token, iteration, layer; per batch row) that are copies of an earlier iteration's."""
+        if self.exit_iter is None:
+            return 0
+        n_local = len({key[2] for key, c in self.layers.items() if key[0] in ("local", "block") and c.k is not None})
+        return int((self.n_iter - self.exit_iter).sum()) * n_local
+
+
+class ReuseExitedKV:
+    """The Local KV that the attention call at (kind, iteration k, layer l) appends: the rows of tokens that have
+    exited are replaced by the same layer's rows at iteration k-1, which (by induction) are their last computed ones."""
+
+    def __init__(self, cache: AdaptiveKVCache, key: tuple, exited):
+        self.cache, self.key, self.exited = cache, key, exited  # exited: (B, N) for the N new tokens
+
+    def append(self, k, v):
+        kind, it, layer = self.key
+        if it and self.exited.any():
+            prev, n, m = self.cache.layer(kind, it - 1, layer), k.size(-2), self.exited[:, None, :, None]
+            k, v = torch.where(m, prev.k[..., -n:, :], k), torch.where(m, prev.v[..., -n:, :], v)
+        k, v = self.cache.layer(*self.key).append(k, v)
+        if self.cache.fed is not None:
+            self.cache.fed[self.key] = (k, v)
+        return k, v
+
+
+def adaptive_states(model, idx, exit_threshold: float, max_iter: int, cache: AdaptiveKVCache):
+    """(z, exit_iter) for the N tokens of idx (B, N) after those in the cache: each token's decoder state after
+    its last iteration (B, N, d) and how many iterations it ran (B, N).
+
+    The decoder runs one iteration at a time. After iteration k >= 2 a token stops once
+    KL(p_{k-1} || p_k) < exit_threshold, where p_k = softmax(head(norm(z_k))) is the logit lens of its state
+    (the KL direction of Huginn's KLExitEvaluator.check, seal-rg/recurrent-pretraining, raven_modeling_minimal.py).
+    (ours) No check after iteration 1: Huginn compares p_1 with the uniform distribution
+    (KLExitEvaluator.init), which lets a token whose first prediction is near uniform stop at once.
+    Exited tokens keep their state and, in later iterations, show later tokens their last Local KV
+    (ReuseExitedKV); the Global KV (once per token) is unchanged. exit_threshold=0 never exits: fixed K = max_iter.
+    Tokens of one step run together, so compute falls only once all of them have exited.
+    """
+    cfg = model.config
+    if cfg.arch == "dense":
+        raise ValueError("adaptive depth needs a looped model (arch full_loop or asymloop); dense runs each block once")
+    b, n = idx.shape
+    start = cache.pos
+    if start + n > cfg.max_seq_len:
+        raise ValueError(f"sequence length {start + n} exceeds max_seq_len={cfg.max_seq_len}; "
+                         f"shorten the input or build the model with a larger max_seq_len")
+    cache.advance(n, max_iter)
+    x = model.embed(idx)  # (B, N, d)
+    if cfg.arch == "full_loop":  # the whole stack loops, z_0 = embed(x)
+        kind, blocks, h, z, kv = "block", model.blocks, None, x, [None] * len(model.blocks)
+    else:
+        for i, blk in enumerate(model.encoder):
+            x = blk(x, model.rope, cache=cache.layer("enc", i), start=start)
+        kind, blocks, h = "local", model.decoder, x
+        kv = model.global_kv(h, start, cache) if cfg.context == "global_kv" else [None] * len(blocks)
+        z = torch.zeros_like(h) if cfg.context == "additive" else h
+    exit_iter = torch.full((b, n), max_iter, dtype=torch.long, device=idx.device)
+    running = torch.ones(b, n, dtype=torch.bool, device=idx.device)
+    logp = None
+    for k in range(max_iter):
+        if not running.any():  # all exited: carry their Local KV to the later iterations, nothing to compute
+            for i in range(len(blocks)):
+                prev = cache.layer(kind, k - 1, i)
+                if prev.k is not None:
+                    ReuseExitedKV(cache, (kind, k, i), ~running).append(prev.k[..., -n:, :], prev.v[..., -n:, :])
+            continue
+        y = z + h if cfg.context == "additive" else z
+        for i, (blk, kv_i) in enumerate(zip(blocks, kv)):
+            y = blk(y, model.rope, kv_i, ReuseExitedKV(cache, (kind, k, i), ~running), start)
+        z = torch.where(running[..., None], y, z)  # exited tokens keep their state
+        new_logp = F.log_softmax(model.logits(z).float(), dim=-1)  # (B, N, V)
+        if logp is not None:
+            kl = (logp.exp() * (logp - new_logp)).sum(-1).clamp_min(0)  # KL(p_{k-1} || p_k), >= 0 despite rounding
+            settled = running & (kl < exit_threshold)
+            exit_iter[settled] = k + 1
+            running &= ~settled
+        logp = new_logp
+    cache.exit_iter = exit_iter if cache.exit_iter is None else torch.cat([cache.exit_iter, exit_iter], dim=1)
+    return z, exit_iter
+
+
+def check_adaptive_args(model, exit_threshold, max_iter) -> int:
+    """max_iter (None -> the trained K), after checking both values."""
+    if exit_threshold is None or not exit_threshold >= 0:
+        raise ValueError(f"exit_threshold must be a number >= 0 (0 = fixed depth max_iter), got {exit_threshold!r}")
+    max_iter = model.config.n_iter if max_iter is None else max_iter
+    if not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"max_iter (K_max) must be an integer >= 1, got {max_iter!r}")
+    return max_iter
+
+
+@torch.no_grad()
+def adaptive_logits(model, idx, exit_threshold: float, max_iter: int | None = None, record: bool = False):
+    """Teacher-forced adaptive depth over whole sequences idx (B, T): (logits (B, T, V), exit_iter (B, T), cache).
+    The same computation as generating the sequence token by token with `generate_adaptive`."""
+    max_iter = check_adaptive_args(model, exit_threshold, max_iter)
+    cache = AdaptiveKVCache(record)
+    z, exit_iter = adaptive_states(model, idx, exit_threshold, max_iter, cache)
+    return model.logits(z), exit_iter, cache
+
+
+@torch.no_grad()
+def generate_adaptive(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                      use_cache: bool = True, stop_id: int | None = None, exit_threshold: float | None = None,
+                      max_iter: int | None = None):
+    """`generate` with adaptive depth: (idx with the new tokens, iters (B, n_new)), iters[:, i] being the decoder
+    iterations of the position that produced new token i. See adaptive_states for the exit rule and the KV reuse."""
+    check_generate_args(idx, max_new_tokens, temperature, top_k)
+    max_iter = check_adaptive_args(model, exit_threshold, max_iter)
+    window, prompt_len, iters = model.config.max_seq_len, idx.size(1), []
+    cache = AdaptiveKVCache() if use_cache else None
     for _ in range(max_new_tokens):
-        if idx.size(1) > window:  # (ours) past max_seq_len the window slides, like nanoGPT; the
-            cache = None  # cached keys sit at the wrong RoPE positions, so recompute from here on
-        new = idx[:, -window:] if cache is None else idx[:, cache.pos:]  # cached: the prompt, then one token
-        logits = model.logits(model.states(new, n_iter, cache)[-1][:, -1]).float()  # (B, V)
-        if temperature == 0:
-            next_id = logits.argmax(dim=-1, keepdim=True)
+        if idx.size(1) > window or not use_cache:  # the window slides, or no cache: recompute it (exits too)
+            cache, new = AdaptiveKVCache(), idx[:, -window:]
         else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_id = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
-        idx = torch.cat([idx, next_id], dim=1)
+            new = idx[:, cache.pos:]
+        z, exit_iter = adaptive_states(model, new, exit_threshold, max_iter, cache)
+        idx = torch.cat([idx, pick_next(model.logits(z[:, -1]), temperature, top_k)], dim=1)
+        iters.append(exit_iter[:, -1])
         if stop_id is not None and (idx[:, prompt_len:] == stop_id).any(dim=1).all():
             break
-    return idx
+    return idx, torch.stack(iters, dim=1) if iters else idx.new_zeros(idx.size(0), 0)
 
 
 def kv_cache_bytes(cfg, seq_len: int, batch: int = 1, dtype=torch.bfloat16, n_iter: int | None = None) -> int:

@@ -573,6 +573,9 @@ class LoopedLM(nn.Module):
         return out
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 n_iter: int | None = None, use_cache: bool = True, stop_id: int | None = None):
-        """Append up to max_new_tokens sampled tokens to idx (B, T), KV-cached (see minimal_asymloop.generate)."""
-        return generation.generate(self, idx, max_new_tokens, temperature, top_k, n_iter, use_cache, stop_id)
+                 n_iter: int | None = None, use_cache: bool = True, stop_id: int | None = None,
+                 exit_threshold: float | None = None, max_iter: int | None = None):
+        """Append up to max_new_tokens sampled tokens to idx (B, T), KV-cached (see minimal_asymloop.generate);
+        exit_threshold: adaptive depth per token, up to max_iter iterations."""
+        return generation.generate(self, idx, max_new_tokens, temperature, top_k, n_iter, use_cache, stop_id,
+                                   exit_threshold, max_iter)
