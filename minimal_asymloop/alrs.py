@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 FITS = ("ww", "hill_median")
-EVALS_THRESH = 1e-5  # eigenvalues at or below this count as zero (weightwatcher's and the reference code's cut)
+EVALS_THRESH = 1e-5  # eigenvalues at or below this count as zero (weightwatcher's cut, its fit_powerlaw's `thresh`)
 MIN_EVALS = 50  # matrices with fewer eigenvalues are not tuned
 # Embedding and head always get the top multiplier, as in the reference code. (ours) Their alphas are
 # logged but kept out of the min/max: vocabulary-sized spectra would otherwise set everyone's range.
@@ -45,16 +45,24 @@ def eigenvalues(weight: torch.Tensor, dtype=torch.float32) -> np.ndarray:
     return np.sort(s.double().square().cpu().numpy())
 
 
-def hill_median_alpha(eigenvalues) -> float:
-    """Hill estimator with xmin at the median eigenvalue, as the reference code does it:
-    alpha = 1 + n / (Σ_{λ≥xmin} ln λ − n·ln xmin) over the n eigenvalues from index N//2 up."""
+def hill_median_alpha(eigenvalues, filter_zeros: bool = True) -> float:
+    """Hill estimator with xmin at the median eigenvalue, the reference code's pl_fitting="median" (xmin_pos=2):
+    alpha = 1 + n / (Σ_{λ≥xmin} ln λ − n·ln xmin) over the n eigenvalues from index N//2 up.
+
+    (ours) filter_zeros=True first drops the eigenvalues <= EVALS_THRESH, as weightwatcher does. The reference code
+    has this cut as an option that its default and all its configs leave off: filter_zeros=False is its fit."""
     if isinstance(eigenvalues, torch.Tensor):
         eigenvalues = eigenvalues.detach().cpu().double().numpy()
-    e = np.asarray(eigenvalues, dtype=np.float64)
-    e = np.sort(e[e > EVALS_THRESH])
+    e = np.sort(np.asarray(eigenvalues, dtype=np.float64))
+    if filter_zeros:
+        e = e[e > EVALS_THRESH]
     if len(e) < 2:
-        raise ValueError(f"hill_median_alpha needs at least 2 eigenvalues above {EVALS_THRESH}, got {len(e)}")
-    i = len(e) // 2  # xmin = e[N//2], the upper median of the nonzero eigenvalues
+        raise ValueError(f"hill_median_alpha needs at least 2 eigenvalues{f' above {EVALS_THRESH}' if filter_zeros else ''}, "
+                         f"got {len(e)}")
+    i = len(e) // 2  # xmin = e[N//2], the upper median
+    if e[i] <= 0:
+        raise ValueError(f"the median eigenvalue is {e[i]}: no power law fits a spectrum that is half zeros; "
+                         "filter_zeros=True drops the zeros first")
     n, log_e = len(e) - i, np.log(e)
     denom = log_e[i:].sum() - n * log_e[i]
     if denom <= 0:

@@ -8,8 +8,9 @@
 The paper's setup is the default: 6,973 GSM8K train examples for training and 500 held out for development
 (a seeded split of the 7,473), context 1024, loss on the worked solution and the final answer only, AdamW,
 global batch 32, peak LR 1e-4, cosine with 10% warmup, 3 epochs, one seed; then all 1,319 test questions,
-greedy decoding with the KV cache, no demonstrations, up to 512 new tokens, the final number compared,
-normalized, with the reference after `####`. Every setting is an option; the ones the paper leaves open are (ours).
+greedy decoding with the KV cache, no demonstrations, up to 512 new tokens. The paper compares "the normalized final
+numerical answer"; we score as lm-eval's gsm8k task does and report both its filters, strict-match and flexible-extract
+(gsm8k.py). Every setting is an option; the ones the paper leaves open are (ours).
 The fine-tuned model is saved as a normal checkpoint (`sample`, `evaluate` and this command read it).
 """
 
@@ -21,7 +22,6 @@ import string
 import sys
 import time
 from dataclasses import asdict, dataclass
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from minimal_asymloop import checkpoint as ckpt
 from minimal_asymloop.config import TrainConfig
+from minimal_asymloop.gsm8k import FILTERS, final_answer, score
 from minimal_asymloop.metrics import log_metrics
 from minimal_asymloop.optim import lr_at, param_groups
 from minimal_asymloop.sources import DataError, eot_id
@@ -39,7 +40,6 @@ from minimal_asymloop.system import autocast_context, resolve_device
 GSM8K, GSM8K_CONFIG = "openai/gsm8k", "main"
 PROMPT = "Question: {question}\nAnswer:"  # (ours) the paper uses no demonstrations and states no template
 CALC = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations, e.g. <<48/2=24>>
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 class FinetuneError(ValueError):
@@ -137,11 +137,6 @@ def split_train_dev(rows: list, n_dev: int, seed: int) -> tuple[list, list]:
         raise FinetuneError(f"n_dev={n_dev} leaves no training examples out of {len(rows)}; lower --n-dev")
     perm = np.random.default_rng(seed).permutation(len(rows))
     return [rows[i] for i in perm[n_dev:]], [rows[i] for i in perm[:n_dev]]
-
-
-def final_answer(answer: str) -> str:
-    """The reference after `####`."""
-    return answer.rsplit("####", 1)[1].strip()
 
 
 def solution_text(answer: str, keep_calc: bool = False) -> str:
@@ -272,26 +267,11 @@ def finetune(model, tokenizer, train_ex, dev_ex, cfg: FinetuneConfig, device, dt
 # ----------------------------------------------------------------------------- evaluation
 
 
-def to_number(text: str) -> Decimal | None:
-    """'1,250.00' -> Decimal('1250.00'); None if not a number. Decimals compare by value: 18 == 18.00."""
-    try:
-        return Decimal(text.replace(",", "").replace("$", "").strip().rstrip("."))
-    except InvalidOperation:
-        return None
-
-
-def extract_answer(generated: str) -> Decimal | None:
-    """The model's final number: the first number after its last `####`, else the last number in the text."""
-    tail = generated.rsplit("####", 1)[1] if "####" in generated else None
-    found = NUMBER.findall(tail) if tail is not None else []
-    found = found[:1] or NUMBER.findall(generated)[-1:]
-    return to_number(found[0]) if found else None
-
-
 @torch.no_grad()
 def evaluate_gsm8k(model, tokenizer, rows: list[dict], cfg: FinetuneConfig, device, dtype, out_jsonl: Path | None = None,
                    progress: bool = True) -> dict:
-    """Greedy decoding with the KV cache, no demonstrations: accuracy of the final number. Writes one JSON line per question."""
+    """Greedy decoding with the KV cache, no demonstrations, scored by lm-eval's two GSM8K filters (gsm8k.py).
+    Writes one JSON line per question."""
     eot, n_iter = eot_id(tokenizer), cfg.n_iter or model.config.n_iter
     prompts = [tokenizer.encode(PROMPT.format(question=r["question"]), add_special_tokens=False).ids for r in rows]
     by_len: dict[int, list[int]] = {}
@@ -309,15 +289,13 @@ def evaluate_gsm8k(model, tokenizer, rows: list[dict], cfg: FinetuneConfig, devi
             texts[i] = tokenizer.decode(row[:row.index(eot)] if eot in row else row)
         bar.update(len(b))
     bar.close()
-    results = []
-    for i, (r, text) in enumerate(zip(rows, texts)):
-        ref, pred = to_number(final_answer(r["answer"])), extract_answer(text)
-        results.append(dict(index=i, question=r["question"], reference=final_answer(r["answer"]), generated=text,
-                            predicted=None if pred is None else str(pred), correct=pred is not None and pred == ref))
+    results = [dict(index=i, question=r["question"], reference=final_answer(r["answer"]), generated=text, **score(text, r["answer"]))
+               for i, (r, text) in enumerate(zip(rows, texts))]
     if out_jsonl is not None:
         out_jsonl.write_text("".join(json.dumps(x) + "\n" for x in results))
-    correct = sum(x["correct"] for x in results)
-    return dict(accuracy=correct / len(results), correct=correct, n=len(results), n_iter=n_iter, max_new_tokens=cfg.max_new_tokens)
+    correct = {name: sum(x[name]["correct"] for x in results) for name in FILTERS}
+    return dict(exact_match={name: c / len(results) for name, c in correct.items()}, correct=correct, n=len(results),
+                n_iter=n_iter, max_new_tokens=cfg.max_new_tokens)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -364,8 +342,9 @@ def run(ckpt_path: str, cfg: FinetuneConfig, eval_only: bool = False, quiet: boo
     res = evaluate_gsm8k(model, tokenizer, test, cfg, device, dtype, out_dir / f"gsm8k_test_k{k}.jsonl", progress=not quiet)
     report["test"] = res
     (out_dir / f"gsm8k_test_k{k}.json").write_text(json.dumps(report, indent=1))
-    say(f"GSM8K test accuracy ({arch.split()[0]} at K={k}, greedy, 0-shot): {100 * res['accuracy']:.2f}% "
-        f"({res['correct']}/{res['n']}); per-question outputs in {out_dir / f'gsm8k_test_k{k}.jsonl'}")
+    scores = ", ".join(f"{name} {100 * res['exact_match'][name]:.2f}% ({res['correct'][name]}/{res['n']})" for name in FILTERS)
+    say(f"GSM8K test exact match ({arch.split()[0]} at K={k}, greedy, 0-shot): {scores}; "
+        f"per-question outputs in {out_dir / f'gsm8k_test_k{k}.jsonl'}")
     return report
 
 

@@ -19,7 +19,8 @@ def count_params(cfg: ModelConfig) -> int:
 
 def matched_dec_d_ff(cfg: ModelConfig) -> int:
     """Table 4a: the decoder FFN width at which AsymLoop *without* Global KV has AsymLoop's parameter count.
-    Each decoder layer's Global KV projections (2·d², plus their QKNorm scale) become 3·d·Δ wider-FFN weights."""
+    Each decoder layer's Global KV projections (2·d², plus their QKNorm scale) become 3·d·Δ wider-FFN weights.
+    (ours) Only the decoder's FFN is widened, where the projections were; the paper says only "a wider FFN"."""
     with_gkv, without = replace(cfg, context="global_kv", dec_d_ff=None), replace(cfg, context="none", dec_d_ff=None)
     return cfg.d_ff + round((count_params(with_gkv) - count_params(without)) / (3 * cfg.d_model * cfg.n_dec))
 

@@ -64,7 +64,7 @@ class ModelConfig:
     # x + Norm(Attn(x)), x + Norm(MLP(x)), and turns QKNorm on by default. See Block.
     backbone: str = "llama"  # llama: pre-norm blocks (the paper) | olmo2: norm on each sublayer's output (ours)
     # Table 4a's parameter-matched "without Global KV" gives the Global KV projections' parameters to a wider
-    # decoder FFN: see matched_dec_d_ff
+    # FFN; (ours) only the decoder's widens: see matched_dec_d_ff
     dec_d_ff: int | None = None  # asymloop's decoder FFN width; None -> d_ff
     # sparse MoE FFN (the paper's MoE extension)
     moe_experts: int = 0  # SwiGLU experts per FFN, top-k routed; 0 -> a dense SwiGLU FFN
@@ -234,7 +234,7 @@ class MoE(nn.Module):
         """x (T, d) -> router logits (T, E), gates (T, k) summing to 1, chosen expert ids (T, k)."""
         logits = self.router(x).float()  # (ours) routing math in fp32, also under autocast
         top_logits, top_ids = logits.topk(self.top_k, dim=-1)
-        gates = top_logits.softmax(dim=-1)  # = the full softmax's top-k probabilities, renormalized
+        gates = top_logits.softmax(dim=-1)  # (ours) renormalized over the top-k: the full softmax's top-k probabilities / their sum
         return logits, gates, top_ids
 
     def aux_losses(self, logits, top_ids):
@@ -378,7 +378,7 @@ class Attention(nn.Module):
             self.wk_glob = nn.Linear(d, d, bias=False)
             self.wv_glob = nn.Linear(d, d, bias=False)
         self.wo = nn.Linear(d, d, bias=False)
-        # QKNorm: RMSNorm over the head dim with a learnable scale. (ours) Global keys get
+        # QKNorm (ours: its form): RMSNorm over the head dim, a learnable gain per channel. (ours) Global keys get
         # their own scale, like their own projections, so the two sources can be weighed.
         self.q_norm = RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm and local_kv else nn.Identity()

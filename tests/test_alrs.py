@@ -58,6 +58,16 @@ def test_hill_median_matches_hand_computation():
         alrs.hill_median_alpha([1e-7, 3.0])
 
 
+def test_hill_median_without_the_zero_cut_is_the_reference_codes_default():
+    # [1e-6, 0.5, 1, 2, 4, 8, 16]: all 7 (the reference's filter_zeros=False): xmin = e[3] = 2, tail [2, 4, 8, 16],
+    # alpha = 1 + 4 / (10 ln 2 - 4 ln 2) = 1 + 2 / (3 ln 2); our cut leaves 6: xmin = 4, tail [4, 8, 16], 1 + 1 / ln 2
+    evals = [16.0, 1e-6, 0.5, 1.0, 2.0, 4.0, 8.0]
+    assert alrs.hill_median_alpha(evals, filter_zeros=False) == pytest.approx(1 + 2 / (3 * math.log(2)), rel=1e-12)
+    assert alrs.hill_median_alpha(evals) == pytest.approx(1 + 1 / math.log(2), rel=1e-12)  # the default: the cut (ours)
+    with pytest.raises(ValueError, match="median eigenvalue is 0.0"):
+        alrs.hill_median_alpha([0.0, 0.0, 0.0, 1.0], filter_zeros=False)
+
+
 def test_eigenvalues_are_squared_singular_values_on_a_copy():
     w = torch.randn(70, 50, dtype=torch.float64)
     before = w.clone()

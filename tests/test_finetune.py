@@ -2,7 +2,6 @@
 
 import json
 import time
-from decimal import Decimal
 
 import pytest
 import torch
@@ -59,18 +58,6 @@ def test_encode_example_learns_only_the_solution(stdlib_data):
     assert "<<1+1=2>>" in tok.decode(keep[0][keep[1]:-1])
 
 
-@pytest.mark.parametrize("text,expected", [("5+3=8\n#### 8", Decimal(8)), ("so 1,250.00 dollars\n#### $1,250.", Decimal(1250)),
-                                           ("she has -3 left", Decimal(-3)), ("2 then 7 then 11", Decimal(11)),
-                                           ("#### 0.5 apples and 3 more", Decimal("0.5")), ("no number here", None)])
-def test_extract_answer(text, expected):
-    assert ft.extract_answer(text) == expected
-
-
-def test_reference_normalization():
-    assert ft.to_number(ft.final_answer("... #### 2,000")) == ft.extract_answer("#### 2000.00")
-    assert ft.to_number("18") != ft.to_number("81")
-
-
 def test_seeded_split_is_the_papers_6973_500():
     rows = list(range(7473))
     train, dev = ft.split_train_dev(rows, 500, seed=0)
@@ -95,10 +82,12 @@ def test_fine_tune_and_evaluate_end_to_end(tiny_checkpoint, gsm8k_dir, tmp_path)
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
     per_q = [json.loads(line) for line in (out / "gsm8k_test_k3.jsonl").read_text().splitlines()]
     assert [q["reference"] for q in per_q] == ["5", "5", "2,000"]
-    assert report["test"]["n"] == 3 and report["test"]["accuracy"] == pytest.approx(sum(q["correct"] for q in per_q) / 3)
+    for name in ("strict-match", "flexible-extract"):  # lm-eval's two GSM8K filters (scored in tests/test_gsm8k.py)
+        assert report["test"]["exact_match"][name] == pytest.approx(sum(q[name]["correct"] for q in per_q) / 3)
+    assert report["test"]["n"] == 3
     # evaluating the saved checkpoint again reproduces the generations; a deeper test-time K is its own run
     again = ft.run(str(out), cfg(gsm8k_dir, tmp_path / "again"), eval_only=True, quiet=True)
-    assert again["test"]["accuracy"] == report["test"]["accuracy"]
+    assert again["test"]["exact_match"] == report["test"]["exact_match"]
     assert (tmp_path / "again/gsm8k_test_k3.jsonl").read_text() == (out / "gsm8k_test_k3.jsonl").read_text()
     deeper = ft.run(str(out), cfg(gsm8k_dir, tmp_path / "k5", n_iter=5), eval_only=True, quiet=True)
     assert deeper["test"]["n_iter"] == 5 and (tmp_path / "k5/gsm8k_test_k5.jsonl").exists()
