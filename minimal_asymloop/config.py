@@ -64,7 +64,7 @@ class TrainConfig:
     wandb_run_name: str | None = None  # the W&B run's name; None -> wandb picks one
     # ALRS layerwise learning rates (He et al. 2026; alrs.py); --no-alrs and --alrs-range LO HI also work
     alrs: bool | None = None  # ALRS layerwise LRs (full_loop + on: Table 4c); None -> auto: on for asymloop, off otherwise (the paper)
-    alrs_fit: str = "ww"  # the alpha fit: ww, weightwatcher's (xmin by KS distance) | hill_median, Hill at the median (ours: drops eigs <= 1e-5)
+    alrs_fit: str = "ww"  # the alpha fit: ww, weightwatcher's (xmin by KS) | hill_median, Hill at the median (ours: drops eigs <= 1e-5)
     alrs_lo: float = 1.0  # the smallest LR multiplier, for the matrix of smallest alpha
     alrs_hi: float = 5.0  # the largest LR multiplier, for the matrix of largest alpha
     alrs_every: int = 100  # steps between allocations
