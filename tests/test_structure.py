@@ -17,7 +17,7 @@ FLOORS = {
     "config": 2, "optim": 2, "checkpoint": 2, "trainer": 2, "tasks": 2,
     # 3: the commands, and what only they use
     "evaluate": 3, "harness": 3, "finetune": 3, "sample": 3, "hub": 3, "bench": 3, "bench_gpu": 3, "nbtools": 3,
-    "experiments": 3,
+    "experiments": 3, "adaptive": 3,
 }
 MAX_LINES = 450  # every module but model.py, the one file that reads like the paper's Section 3
 LONGER_ALLOWED = {"model"}
