@@ -26,6 +26,7 @@ from dataclasses import MISSING, fields
 from minimal_asymloop.checkpoint import CheckpointError
 from minimal_asymloop.config import TrainConfig
 from minimal_asymloop.model import ARCHS, PAPER_MOE, PRESETS, ModelConfig
+from minimal_asymloop.runfolder import RunFolderError, os_error_line
 from minimal_asymloop.sources import DataError
 from minimal_asymloop.system import ConfigError, DistributedError
 from minimal_asymloop.trainer import NonFiniteLossError, train
@@ -114,8 +115,10 @@ def main(argv=None):
         p.error(str(e))
     try:
         result = train(model_cfg, train_cfg)
-    except (ConfigError, DataError, CheckpointError, NonFiniteLossError, DistributedError) as e:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLossError, DistributedError, RunFolderError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # a file system fault no check above names: the path, why and the fix, in one line
+        sys.exit(f"error: {os_error_line(e)}")
     if result["step"] < min(result["total_steps"], train_cfg.stop_step or math.inf):  # a signal stopped it, here or on another rank
         sys.exit(128 + signal.Signals[result["signal"] or "SIGTERM"])
 
