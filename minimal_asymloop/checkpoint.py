@@ -71,7 +71,7 @@ def verify(ckpt: Path, meta: dict, names) -> None:
         try:
             got = file_checksum(ckpt / name)
         except OSError as e:
-            raise CheckpointError(f"cannot read checkpoint {ckpt}: {os_error_line(e, 'cannot read')}") from None
+            raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
         if got != sums[name]:
             raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} does not match the checksum in meta.json (its bytes "
                                   f"changed after it was written: a disk, copy or transfer error)")
@@ -188,7 +188,7 @@ def find_checkpoint(path) -> Path:
             return (path / "latest").resolve()
         dangling = (path / "latest").is_symlink()
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {os_error_line(e, 'cannot read')}") from None
+        raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
     if dangling:
         raise CheckpointError(f"{path}/latest points at a missing folder; the run's checkpoints were deleted or moved")
     raise CheckpointError(f"no checkpoint at {path}: expected a checkpoint folder (with meta.json), a run's out_dir with a "
@@ -211,7 +211,7 @@ def read_meta(path) -> dict:
             raise CheckpointError(f"checkpoint {ckpt} is incomplete: missing {', '.join(missing)}")
         meta = json.loads((ckpt / name).read_text())
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {ckpt}: {os_error_line(e, 'cannot read')}") from None
+        raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} is not valid JSON ({e})") from None
     if not isinstance(meta, dict):
@@ -246,7 +246,7 @@ def read_weights(ckpt: Path, meta: dict | None = None) -> dict:
     try:
         weights = load_file(str(ckpt / "model.safetensors"))
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {ckpt}: {os_error_line(e, 'cannot read')}") from None
+        raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
     except (SafetensorError, ValueError) as e:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt or truncated: model.safetensors cannot be read ({e})") from None
     bad = next((n for n, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
@@ -297,7 +297,7 @@ def load_state(path, meta: dict | None = None) -> dict:
     try:
         return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {ckpt}: {os_error_line(e, 'cannot read')}") from None
+        raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
     except Exception as e:  # truncated zip, bad pickle opcode, forbidden global
         if "Weights only load failed" in str(e):  # a pickled call or class that weights_only refused; torch's advice is not ours
             raise UnsafeCheckpointError(f"refused to load {ckpt}/state.pt: it contains pickled code or objects, which are never "
@@ -324,7 +324,7 @@ def newest_intact(out_dir, say=print) -> tuple[dict, dict]:
         first = [latest.resolve()] if latest.is_symlink() else []
         others = sorted((p for p in out_dir.glob("ckpt_*") if _by_step(p)[0] >= 0 and p.is_dir()), key=_by_step, reverse=True)
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {out_dir}: {os_error_line(e, 'cannot read')}") from None
+        raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
     candidates = first + [p for p in others if p not in first]
     if not candidates:
         find_checkpoint(out_dir)  # the usual "no checkpoint at ..." line

@@ -29,8 +29,7 @@ def append_line(path: Path, line: str):
     except OSError as e:
         raise _append_failure(path, e) from None
     try:
-        start = os.fstat(fd).st_size
-        done = 0
+        start, done = os.fstat(fd).st_size, 0
         try:
             while done < len(data):
                 n = os.write(fd, data[done:])
@@ -38,8 +37,8 @@ def append_line(path: Path, line: str):
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 done += n
         except OSError as e:
-            if done:
-                os.ftruncate(fd, start)  # never leave a partial line (truncating frees space, so it works on a full disk)
+            if os.fstat(fd).st_size != start:  # never leave a partial line (truncating frees space: it works on a full disk)
+                os.ftruncate(fd, start)
             raise _append_failure(path, e) from None
     finally:
         os.close(fd)
