@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 from conftest import DATA, MODEL
+from safetensors.torch import load_file, save_file
+from test_reliability import rechecksum
 
 import train_minimal
 from minimal_asymloop import checkpoint as ckpt
@@ -92,6 +94,14 @@ def flip_tensor_bytes(folder: Path) -> Path:
     return folder
 
 
+def _nan_weights(folder: Path) -> Path:
+    w = load_file(str(folder / "model.safetensors"))
+    name = sorted(w)[0]
+    w[name] = w[name] * float("nan")
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return rechecksum(folder)  # a "valid" file of NaNs: only the finiteness check catches it
+
+
 def _gsm8k(folder: Path) -> Path:
     rows = [dict(question=f"Tom has {i} apples and buys 2. How many now?", answer=f"{i}+2={i + 2}\n#### {i + 2}") for i in range(8)]
     for split in ("train", "test"):
@@ -152,7 +162,8 @@ CASES = [
                                                                .parent, "--resume"),
      "is corrupt: state.pt does not match the checksum in meta.json"),
     # values checked when the config is built, before any data is prepared, with the valid range and the way to go
-    ("lr-negative", T, lambda d, t, r, c: _train_argv(d, t / "o", "--lr", "-0.01"), "lr must be in (0, inf), got -0.01; raise it"),
+    ("lr-negative", T, lambda d, t, r, c: _train_argv(d, t / "o", "--lr", "-0.01", "--data", str(t / "nope.txt")),
+     "lr must be in (0, inf), got -0.01; raise it"),
     ("lr-nan", T, lambda d, t, r, c: _train_argv(d, t / "o", "--lr", "nan"), "lr must be in (0, inf), got nan; give a number"),
     ("beta1>1", T, lambda d, t, r, c: _train_argv(d, t / "o", "--beta1", "2"), "beta1 must be in [0, 1), got 2.0; lower it"),
     ("grad-clip-negative", T, lambda d, t, r, c: _train_argv(d, t / "o", "--grad-clip", "-1"),
@@ -184,6 +195,8 @@ CASES = [
     ("ckpt-missing", S, lambda d, t, r, c: ["--ckpt", str(t / "nothing")], "no checkpoint at"),
     ("ckpt-flipped-weights", S, lambda d, t, r, c: ["--ckpt", str(flip_tensor_bytes(_ckpt_copy(c, t / "k")))],
      "is corrupt: model.safetensors does not match the checksum in meta.json"),
+    ("ckpt-nan-weights", S, lambda d, t, r, c: ["--ckpt", str(_nan_weights(_ckpt_copy(c, t / "k")))],
+     "is corrupt: its weights hold inf/NaN values (first in "),
     ("ckpt-meta-wrong-type", S, lambda d, t, r, c: ["--ckpt", str(_edit_meta(_ckpt_copy(c, t / "k"), model_config="x"))],
      "is corrupt: meta.json field 'model_config' should be a JSON object, got \"x\""),
     ("ckpt-meta-is-a-folder", S, lambda d, t, r, c: ["--ckpt", str(_dir_for(_ckpt_copy(c, t / "k"), "meta.json"))],

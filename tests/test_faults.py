@@ -20,9 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
-from test_bad_input import flip_tensor_bytes
-from test_reliability import ROOT, _argv, _curve, _finish, _start, _tail, _wait_for, rechecksum
+from test_bad_input import _nan_weights, flip_tensor_bytes
+from test_reliability import ROOT, _argv, _curve, _finish, _start, _tail, _wait_for
 
 import train_minimal
 from minimal_asymloop import checkpoint as ckpt
@@ -47,14 +46,6 @@ def _straight_and_stopped(tiny_configs, tmp_path, steps=12, stop=8, **kw):
 
 
 # ----------------------------------------------------------------------------- 1. integrity: checksums and the fallback
-
-
-def _nan_weights(folder: Path) -> Path:
-    w = load_file(str(folder / "model.safetensors"))
-    name = sorted(w)[0]
-    w[name] = w[name] * float("nan")
-    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return rechecksum(folder)  # a "valid" file of NaNs: only the finiteness check catches it
 
 
 def _truncate(path: Path) -> Path:
