@@ -339,10 +339,10 @@ def _run(ckpt_path: str, cfg: FinetuneConfig, eval_only: bool, quiet: bool) -> d
     model, tokenizer, meta = ckpt.load_model(ckpt_path, device=device)
     if cfg.n_iter is not None and model.config.arch == "dense":
         raise FinetuneError(f"--n-iter {cfg.n_iter}: test-time depth applies to full_loop and asymloop; this checkpoint is dense")
+    check_tokenizer(tokenizer, splits["train"] + splits["test"], cfg.keep_calc)
     if cfg.seq_len > model.config.max_seq_len and not eval_only:
         raise FinetuneError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={model.config.max_seq_len}; pass --seq-len "
                             f"{model.config.max_seq_len} or less")
-    check_tokenizer(tokenizer, splits["train"] + splits["test"], cfg.keep_calc)
     eot = eot_id(tokenizer)
     arch = f"{model.config.arch} K={model.config.n_iter}"
     say(f"{meta['path']}: {arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {device} "

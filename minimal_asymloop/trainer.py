@@ -285,7 +285,8 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
 
 
 def resume(run: Run):
-    """Load weights, optimizer, LR-hook state, RNG and counters from out_dir/latest; drop metrics logged after it."""
+    """Load weights, optimizer, LR-hook state, RNG and counters from out_dir/latest (or, when it is corrupt, the newest intact
+    checkpoint); drop metrics logged after it."""
     meta, state = ckpt.newest_intact(run.out_dir, run.say)  # every file verified; past a corrupt `latest`, said in one line
     _check_resume(meta, run.model_cfg, run.cfg, run.data.meta)
     if run.cfg.stop_step is not None and run.cfg.stop_step <= state["step"]:

@@ -235,7 +235,7 @@ def test_resume_drops_a_trailing_partial_metrics_line_with_a_note_and_is_exact(t
     capsys.readouterr()
     train(mcfg, replace(half, stop_step=None, resume=True, quiet=False))
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
-    assert notes == [f"note: {path} ended in a partial line (32 characters, from a write that did not finish); dropped it"]
+    assert notes == [f"note: {path} ended in a partial line (31 characters, from a write that did not finish); dropped it"]
     assert _rows(half.out_dir) == _rows(ref.out_dir)
 
 
@@ -364,11 +364,11 @@ def test_resuming_with_another_micro_batch_continues_the_run_to_float_rounding(t
 
 
 def _kill_at_random(argv, log: Path, out: Path, rng: random.Random, slow: dict) -> bool:
-    """Start a run, wait until it trains, kill -9 at a random moment within ~1.5 s; True if a checkpoint write was under way."""
+    """Start a run, wait until it trains, kill -9 at a random moment within 3 s; True if a checkpoint write was under way."""
     t0 = time.time()
     p = _start(argv, log, slow)
     _wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_mtime > t0, p, log)  # it trains
-    time.sleep(rng.uniform(0.0, 1.5))
+    time.sleep(rng.uniform(0.0, 3.0))
     writing = bool(list(out.glob(f".tmp-ckpt_*-{p.pid}")))
     p.kill()
     p.wait()
@@ -377,7 +377,7 @@ def _kill_at_random(argv, log: Path, out: Path, rng: random.Random, slow: dict) 
 
 def _kill_trial(data_cache, tmp_path: Path, seed: int, kills: int) -> dict:
     rng, out = random.Random(seed), tmp_path / f"trial{seed}"
-    slow = {ckpt.DELAY_ENV: "0.05"}  # each checkpoint write takes >= 0.25 s: a fair share of kills land in one
+    slow = {ckpt.DELAY_ENV: "0.2"}  # each checkpoint write takes >= 1 s: a fair share of kills land in one
     argv, writing = _argv(data_cache, out, 16), 0
     for i in range(kills):  # killed before its first checkpoint, a run starts again from scratch
         resume = ["--resume"] if (out / "latest").exists() else []
