@@ -28,6 +28,7 @@ from minimal_asymloop.alrs import FIT_FNS
 from minimal_asymloop.checkpoint import CheckpointError
 from minimal_asymloop.config import TRAIN_PRESETS, TrainConfig, field_docs
 from minimal_asymloop.model import ARCHS, BACKBONES, CONTEXTS, PAPER_MOE, PRESETS, ModelConfig
+from minimal_asymloop.runfolder import RunFolderError, os_error_line
 from minimal_asymloop.sources import TOKENIZERS, DataError
 from minimal_asymloop.system import DEVICES, DTYPES, ConfigError, DistributedError
 from minimal_asymloop.trainer import NonFiniteLossError, train
@@ -148,8 +149,10 @@ def main(argv=None):
         p.error(str(e))
     try:
         result = train(model_cfg, train_cfg)
-    except (ConfigError, DataError, CheckpointError, NonFiniteLossError, DistributedError) as e:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLossError, DistributedError, RunFolderError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # a file system fault no check above names: the path, why and the fix, in one line
+        sys.exit(f"error: {os_error_line(e)}")
     if result["step"] < min(result["total_steps"], train_cfg.stop_step or math.inf):  # a signal stopped it, here or on another rank
         sys.exit(128 + signal.Signals[result["signal"] or "SIGTERM"])
 

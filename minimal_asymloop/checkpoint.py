@@ -3,17 +3,18 @@
     out_dir/ckpt_0000500/   model.safetensors  weights (safetensors: loading runs no code)
                             state.pt           optimizer, step, data position, RNG, lr-hook state, fp16 loss scale
                                                (loads with torch.load(weights_only=True))
-                            meta.json          format_version, model + train config, step, val loss, data
+                            meta.json          format_version, model + train config, step, val loss, data,
+                                               and the checksum of each other file (xxh3-128)
                             tokenizer.json     so the folder alone can generate text
     out_dir/latest -> ckpt_0000500             symlinks, replaced atomically with os.replace
     out_dir/best   -> ckpt_0000500
     Older ckpt_* folders are deleted, except those at multiples of keep_every (--keep-every) when it is set.
 
 A save writes a temp folder, fsyncs it, renames it into place and only then moves the `latest`
-(and `best`) link, so a crash at any moment leaves `latest` pointing at a complete checkpoint.
+(and `best`) link, so a crash at any moment leaves `latest` pointing at a complete checkpoint. Loading verifies
+each file against its checksum; `--resume` falls back past a corrupt `latest` to the newest intact checkpoint.
 """
 
-import errno
 import json
 import os
 import re
@@ -23,11 +24,13 @@ import time
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from minimal_asymloop.model import LoopedLM, ModelConfig
+from minimal_asymloop.runfolder import after_write_failure, os_error_line, why_and_fix
 
 FORMAT_VERSION = 1
 DELAY_ENV = "MINIMAL_ASYMLOOP_CKPT_DELAY"  # test hook: seconds to sleep after each file and before the link moves
@@ -37,6 +40,41 @@ EXPORT_FILES = ("model.safetensors", "config.json", "tokenizer.json")  # a model
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, too new or incompatible; the message says which."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A state.pt whose unpickling would run code or build objects a checkpoint never holds: refused, never a fallback."""
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+CHECKSUM = "xxh3_128"  # (ours) ~10x sha256's speed on one core; catches disk and copy errors, not forgery (meta.json is not signed)
+
+
+def file_checksum(path) -> str:
+    """`xxh3_128:<hex>` of a file's bytes, read in 16 MiB chunks."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return f"{CHECKSUM}:{h.hexdigest()}"
+
+
+def verify(ckpt: Path, meta: dict, names) -> None:
+    """Raise CheckpointError naming the first of `names` whose bytes differ from the checksum meta.json recorded.
+    A checkpoint written before checksums were recorded has none to check."""
+    sums = meta.get("checksums") or {}
+    for name in names:
+        if name not in sums:
+            continue
+        try:
+            got = file_checksum(ckpt / name)
+        except OSError as e:
+            raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
+        if got != sums[name]:
+            raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} does not match the checksum in meta.json (its bytes "
+                                  f"changed after it was written: a disk, copy or transfer error)")
 
 
 def _fsync(path: Path):
@@ -60,13 +98,13 @@ def save_checkpoint(out_dir, model: LoopedLM, state: dict, meta: dict, tokenizer
     """Write a checkpoint of `model` (unwrapped, not DDP/compiled) at meta['step']; move `latest` (and `best`);
     delete older checkpoints except those at multiples of keep_every."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     name = f"ckpt_{meta['step']:07d}"
     k = 1
     while (out_dir / name).exists():  # same step saved twice (rare): never touch a folder a link may use
         name, k = f"ckpt_{meta['step']:07d}.{k}", k + 1
     tmp = out_dir / f".tmp-{name}-{os.getpid()}"
     try:
+        out_dir.mkdir(parents=True, exist_ok=True)
         _write(tmp, out_dir, name, model, state, meta, tokenizer, best)
     except (OSError, RuntimeError, SafetensorError) as e:  # disk full, quota, permissions (torch.save wraps OSError in RuntimeError)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -76,16 +114,13 @@ def save_checkpoint(out_dir, model: LoopedLM, state: dict, meta: dict, tokenizer
 
 
 def _write_failure(out_dir: Path, name: str, e: Exception) -> str:
-    code = getattr(e, "errno", None)
-    if code is None and (m := re.search(r"os error (\d+)", str(e))):  # safetensors reports the OS error in its message
-        code = int(m.group(1))
-    why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded", errno.EFBIG: "a file size limit was hit",
-           errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.EROFS: "the file system is read-only"}.get(
-        code, f"{type(e).__name__}: {' '.join(str(e).split())}")
-    latest = out_dir / "latest"
-    kept = f"the previous checkpoint {latest.resolve().name} is intact" if latest.exists() else "no earlier checkpoint exists"
-    return (f"could not write checkpoint {name} to {out_dir}: {why}; {kept}; free disk space or fix --out-dir's permissions, "
-            f"then continue with --resume")
+    cause = e
+    while getattr(cause, "errno", None) is None and (cause.__cause__ or cause.__context__) is not None:
+        cause = cause.__cause__ or cause.__context__  # torch.save wraps the OSError of its file in a RuntimeError
+    if getattr(cause, "errno", None) is None and (m := re.search(r"os error (\d+)", str(e))):  # safetensors: in its message
+        cause = OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+    why, fix = why_and_fix(cause if getattr(cause, "errno", None) is not None else e)
+    return f"could not write checkpoint {name} to {out_dir}: {why}; {after_write_failure(out_dir, fix)}"
 
 
 def _write(tmp: Path, out_dir: Path, name: str, model: LoopedLM, state: dict, meta: dict, tokenizer: Tokenizer, best: bool):
@@ -96,13 +131,16 @@ def _write(tmp: Path, out_dir: Path, name: str, model: LoopedLM, state: dict, me
     meta = {"format_version": FORMAT_VERSION, **meta, "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     writers = {
         "model.safetensors": lambda p: save_file(weights, str(p), metadata={"format": "pt"}),
-        "state.pt": lambda p: torch.save(state, p),
+        "state.pt": lambda p: _torch_save(state, p),
         "tokenizer.json": lambda p: tokenizer.save(str(p)),
         "meta.json": lambda p: p.write_text(json.dumps(meta, indent=1)),
     }
+    meta["checksums"] = {}
     for fname in FILES:
         writers[fname](tmp / fname)
         _fsync(tmp / fname)
+        if fname != "meta.json":  # meta.json is written last and holds the others' checksums
+            meta["checksums"][fname] = file_checksum(tmp / fname)
         if delay:
             time.sleep(delay)
     _fsync(tmp)
@@ -115,12 +153,22 @@ def _write(tmp: Path, out_dir: Path, name: str, model: LoopedLM, state: dict, me
         _point(out_dir / "best", name)
 
 
+def _torch_save(obj, path: Path):
+    """torch.save through a Python file: an OSError (a full disk) is then chained to torch's RuntimeError."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def _collect_garbage(out_dir: Path, keep_every: int | None = None):
-    """Delete checkpoints no link points at (except ckpt_NNNNNNN at multiples of keep_every), and temp folders
-    left by killed writers."""
+    """Delete checkpoints no link points at (except the newest save of each step at a multiple of keep_every), and temp
+    folders left by killed writers."""
     keep = {(out_dir / link).resolve().name for link in ("latest", "best") if (out_dir / link).is_symlink()}
     if keep_every:
-        keep |= {p.name for p in out_dir.glob("ckpt_*") if re.fullmatch(r"ckpt_\d{7}", p.name) and int(p.name[5:]) % keep_every == 0}
+        newest = {}  # step -> the newest save of it (ckpt_0000020.1 replaces a corrupt ckpt_0000020 after a fallback)
+        for p in sorted(out_dir.glob("ckpt_*"), key=_by_step):
+            if _by_step(p)[0] > 0 and _by_step(p)[0] % keep_every == 0:
+                newest[_by_step(p)[0]] = p.name
+        keep |= set(newest.values())
     for p in out_dir.iterdir():
         stale_tmp = p.name.startswith(".tmp-ckpt_") and not p.name.endswith(f"-{os.getpid()}")
         if (p.name.startswith("ckpt_") and p.name not in keep) or stale_tmp:
@@ -133,35 +181,53 @@ def _collect_garbage(out_dir: Path, keep_every: int | None = None):
 def find_checkpoint(path) -> Path:
     """A checkpoint folder from either itself or a run's out_dir (then its `latest`)."""
     path = Path(path)
-    if (path / "meta.json").exists() or (path / "model.safetensors").exists():
-        return path.resolve()  # `latest`/`best` resolve to the real folder: files are read from one checkpoint
-    if (path / "latest").exists():
-        return (path / "latest").resolve()
-    if (path / "latest").is_symlink():
+    try:
+        if (path / "meta.json").exists() or (path / "model.safetensors").exists():
+            return path.resolve()  # `latest`/`best` resolve to the real folder: files are read from one checkpoint
+        if (path / "latest").exists():
+            return (path / "latest").resolve()
+        dangling = (path / "latest").is_symlink()
+    except OSError as e:
+        raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
+    if dangling:
         raise CheckpointError(f"{path}/latest points at a missing folder; the run's checkpoints were deleted or moved")
     raise CheckpointError(f"no checkpoint at {path}: expected a checkpoint folder (with meta.json), a run's out_dir with a "
                           f"'latest' checkpoint, an exported folder (with config.json) or a Hub repo id (hf:owner/name); "
                           f"train one with `python train_minimal.py --out-dir {path}`")
 
 
+# meta.json fields whose type is checked on load: a wrong type is a corrupt file, not a traceback later
+META_TYPES = {"model_config": dict, "train_config": dict, "data": dict, "checksums": dict, "step": int, "finetune": dict}
+
+
 def read_meta(path) -> dict:
     """meta.json of a training checkpoint, or config.json of a model-only export (hub.py), checked."""
     ckpt = find_checkpoint(path)
-    export = (ckpt / "config.json").exists() and not (ckpt / "meta.json").exists()  # weights, config and tokenizer only
-    name, needed = ("config.json", EXPORT_FILES) if export else ("meta.json", FILES)
-    missing = [f for f in needed if not (ckpt / f).exists()]
-    if missing:
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete: missing {', '.join(missing)}")
     try:
+        export = (ckpt / "config.json").exists() and not (ckpt / "meta.json").exists()  # weights, config and tokenizer only
+        name, needed = ("config.json", EXPORT_FILES) if export else ("meta.json", FILES)
+        missing = [f for f in needed if not (ckpt / f).exists()]
+        if missing:
+            raise CheckpointError(f"checkpoint {ckpt} is incomplete: missing {', '.join(missing)}")
         meta = json.loads((ckpt / name).read_text())
+    except OSError as e:
+        raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} holds a {type(meta).__name__}, not an object")
     version = meta.get("format_version")
     if not isinstance(version, int):
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} has no format_version")
     if version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {ckpt} has format_version {version}, newer than this code's {FORMAT_VERSION}; "
                               f"update minimal-asymloop to load it")
+    for key, kind in META_TYPES.items():
+        if key in meta and meta[key] is not None and (not isinstance(meta[key], kind) or isinstance(meta[key], bool)):
+            raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} field {key!r} should be a JSON "
+                                  f"{'object' if kind is dict else 'integer'}, got {json.dumps(meta[key])[:40]}")
+    if "model_config" not in meta:
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} has no model_config")
     meta["path"] = str(ckpt)
     return meta
 
@@ -173,11 +239,26 @@ def model_config_from_meta(meta: dict) -> ModelConfig:
         raise CheckpointError(f"checkpoint {meta.get('path')} has a model config this code cannot build ({e})") from None
 
 
-def load_weights(model: LoopedLM, ckpt: Path):
+def read_weights(ckpt: Path, meta: dict | None = None) -> dict:
+    """model.safetensors as tensors, verified: its checksum (when meta has one), readable, every value finite."""
+    if meta is not None:
+        verify(ckpt, meta, ["model.safetensors"])
     try:
         weights = load_file(str(ckpt / "model.safetensors"))
-    except (SafetensorError, OSError, ValueError) as e:
+    except OSError as e:
+        raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
+    except (SafetensorError, ValueError) as e:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt or truncated: model.safetensors cannot be read ({e})") from None
+    bad = next((n for n, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: its weights hold inf/NaN values (first in {bad}); a run never "
+                              f"saves them, so the file was damaged or written by other code")
+    return weights
+
+
+def load_weights(model: LoopedLM, ckpt: Path, meta: dict | None = None):
+    """Load a checkpoint's weights into `model`, verified (read_weights); meta: the checkpoint's (read when not given)."""
+    weights = read_weights(ckpt, meta if meta is not None else read_meta(ckpt))
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     shapes = [f"{n} {tuple(weights[n].shape)} vs {tuple(own[n].shape)}" for n in own if n in weights and weights[n].shape != own[n].shape]
@@ -189,14 +270,16 @@ def load_weights(model: LoopedLM, ckpt: Path):
 
 def load_model(path, device="cpu") -> tuple[LoopedLM, Tokenizer, dict]:
     """(model in eval mode on `device`, tokenizer, meta) from a checkpoint folder, a run's out_dir, an export,
-    or a Hugging Face Hub repo id (`owner/name` or `hf:owner/name`; the rule is in hub.py)."""
+    or a Hugging Face Hub repo id (`owner/name` or `hf:owner/name`; the rule is in hub.py). Every file is verified
+    against its checksum."""
     repo = hub_repo_id(path)
     meta = read_meta(resolve(path))
     if repo:
         meta["hub_repo"] = repo
     ckpt = Path(meta["path"])
     model = LoopedLM(model_config_from_meta(meta))
-    load_weights(model, ckpt)
+    load_weights(model, ckpt, meta)
+    verify(ckpt, meta, ["tokenizer.json"])
     try:
         tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
@@ -204,20 +287,66 @@ def load_model(path, device="cpu") -> tuple[LoopedLM, Tokenizer, dict]:
     return model.to(device).eval(), tokenizer, meta
 
 
-def load_state(path) -> dict:
-    """The training state (optimizer, step, RNG, ...) of a checkpoint; never unpickles code."""
+def load_state(path, meta: dict | None = None) -> dict:
+    """The training state (optimizer, step, RNG, ...) of a checkpoint, verified; never unpickles code."""
     ckpt = find_checkpoint(path)
     if not (ckpt / "state.pt").exists():
         raise CheckpointError(f"checkpoint {ckpt} has no state.pt (an export holds the model only); resuming needs a "
                               f"training checkpoint, a run's out_dir")
+    verify(ckpt, meta if meta is not None else read_meta(ckpt), ["state.pt"])
     try:
         return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, bad pickle opcode, forbidden global: all mean "corrupt"
-        if "Unsupported global" in str(e):  # a pickled call (code) that weights_only refused to run
-            raise CheckpointError(f"refused to load {ckpt}/state.pt: it contains pickled code, which is never run (it may be "
-                                  f"malicious or not written by this trainer); resume from a checkpoint you trust") from None
+    except OSError as e:
+        raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
+    except Exception as e:  # truncated zip, bad pickle opcode, forbidden global
+        if "Weights only load failed" in str(e):  # a pickled call or class that weights_only refused; torch's advice is not ours
+            raise UnsafeCheckpointError(f"refused to load {ckpt}/state.pt: it contains pickled code or objects, which are never "
+                                        f"run (it may be malicious or not written by this trainer); resume from a checkpoint "
+                                        f"you trust") from None
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: state.pt cannot be loaded ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]})") from None
+
+
+# ----------------------------------------------------------------------------- --resume: the newest intact checkpoint
+
+
+def _by_step(p: Path) -> tuple[int, int]:
+    m = re.fullmatch(r"ckpt_(\d{7})(?:\.(\d+))?", p.name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else (-1, -1)
+
+
+def newest_intact(out_dir, say=print) -> tuple[dict, dict]:
+    """(meta, state) of the checkpoint to resume from: `latest` when intact (every file matches its checksum and loads),
+    else the newest intact one of the others, said in one line. With none intact, one line naming the first fault."""
+    out_dir = Path(out_dir)
+    latest = out_dir / "latest"
+    try:
+        first = [latest.resolve()] if latest.is_symlink() else []
+        others = sorted((p for p in out_dir.glob("ckpt_*") if _by_step(p)[0] >= 0 and p.is_dir()), key=_by_step, reverse=True)
+    except OSError as e:
+        raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
+    candidates = first + [p for p in others if p not in first]
+    if not candidates:
+        find_checkpoint(out_dir)  # the usual "no checkpoint at ..." line
+    faults = []
+    for folder in candidates:
+        try:
+            meta = read_meta(folder)
+            verify(folder, meta, ["model.safetensors", "tokenizer.json"])
+            state = load_state(folder, meta)
+            read_weights(folder)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as e:
+            faults.append((folder, str(e)))
+            continue
+        if faults:
+            say(f"note: {faults[0][1]}; resuming from {folder.name} (step {meta.get('step')}), the newest intact checkpoint")
+        return meta, state
+    if first and not first[0].exists():
+        faults.insert(0, (first[0], f"{latest} points at a missing folder; the run's checkpoints were deleted or moved"))
+    raise CheckpointError(f"{faults[0][1]}; no intact checkpoint to fall back on in {out_dir} "
+                          f"({len(candidates)} checked: {', '.join(p.name for p in candidates)})")
 
 
 HUB_PREFIX = "hf:"

@@ -80,6 +80,9 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
+        check_optimizer_values(self)
+        if self.val_fraction is not None:
+            check_range("val_fraction", self.val_fraction, "(0, 1)", "0.05", ", a share of the documents")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         check_device_name(self.device)
@@ -139,6 +142,29 @@ TRAIN_PRESETS = {
 RESUME_MAY_CHANGE = {"out_dir", "device", "compile", "compile_backend", "stop_step", "quiet", "resume", "eval_interval", "eval_batches",
                      "micro_batch", "ddp_timeout_s", "data_cache", "skip_nonfinite", "max_skips", "wandb", "wandb_project",
                      "wandb_run_name", "data_workers"}
+
+
+def check_range(name: str, v, interval: str, example: str, note: str = "", error=ConfigError):
+    """Raise `error` unless v lies in `interval`, written as in maths ('(0, 1)', '[0, inf]': a round bracket leaves that
+    end out); the message gives the range and which way to go."""
+    lo, hi = (float(x) for x in interval[1:-1].split(","))
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+    above = number and (v > lo if interval[0] == "(" else v >= lo)
+    below = number and (v < hi if interval[-1] == ")" else v <= hi)
+    if not (above and below):
+        way = "give a number" if not number else "raise it" if not above else "lower it"
+        raise error(f"{name} must be in {interval}{note}, got {v!r}; {way} (e.g. {example})")
+
+
+def check_optimizer_values(cfg, error=ConfigError):
+    """The AdamW and schedule settings of `cfg` (a TrainConfig or finetune's FinetuneConfig), each in its valid range."""
+    check_range("lr", cfg.lr, "(0, inf)", "1e-3", error=error)
+    check_range("beta1", cfg.beta1, "[0, 1)", "0.9", error=error)
+    check_range("beta2", cfg.beta2, "[0, 1)", "0.95", error=error)
+    check_range("weight_decay", cfg.weight_decay, "[0, inf)", "0.1", error=error)
+    check_range("grad_clip", cfg.grad_clip, "(0, inf]", "1.0", " (inf: no clipping)", error=error)
+    check_range("warmup_frac", cfg.warmup_frac, "[0, 1]", "0.1", ", a share of the steps", error=error)
+    check_range("min_lr_ratio", cfg.min_lr_ratio, "[0, 1]", "0.1", ", a share of the peak LR", error=error)
 
 
 def alrs_hook(cfg: TrainConfig) -> alrs.ALRS:

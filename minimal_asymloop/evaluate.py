@@ -282,6 +282,15 @@ def over_training(args, names, tasks) -> dict:
 
 
 def main(argv=None):
+    from minimal_asymloop.runfolder import os_error_line
+
+    try:
+        return _main(argv)
+    except OSError as e:  # --out under a file, unwritable, a full disk: one line with the path and the fix
+        raise SystemExit(f"error: {os_error_line(e)}") from None
+
+
+def _main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="a run's out_dir (its latest checkpoint), a checkpoint folder, an exported "
                                                  "folder, or a Hub repo id (owner/name, or hf:owner/name)")

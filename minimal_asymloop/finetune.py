@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minimal_asymloop import checkpoint as ckpt
-from minimal_asymloop.config import TrainConfig
+from minimal_asymloop.config import TrainConfig, check_optimizer_values
 from minimal_asymloop.gsm8k import FILTERS, final_answer, score
 from minimal_asymloop.metrics import log_metrics
 from minimal_asymloop.optim import lr_at, param_groups
+from minimal_asymloop.runfolder import RunFolderError, hold, os_error_line
 from minimal_asymloop.sources import DataError, eot_id
 from minimal_asymloop.system import autocast_context, resolve_device
 
@@ -81,6 +82,7 @@ class FinetuneConfig:
                 raise FinetuneError(f"{name} must be a positive integer or unset, got {v!r}")
         if self.n_dev < 0:
             raise FinetuneError(f"n_dev must be >= 0, got {self.n_dev}")
+        check_optimizer_values(self, FinetuneError)
         if self.global_batch % (self.micro_batch or self.global_batch):
             raise FinetuneError(f"micro_batch={self.micro_batch} must divide global_batch={self.global_batch}")
 
@@ -302,7 +304,13 @@ def evaluate_gsm8k(model, tokenizer, rows: list[dict], cfg: FinetuneConfig, devi
 
 
 def run(ckpt_path: str, cfg: FinetuneConfig, eval_only: bool = False, quiet: bool = False) -> dict:
-    """Fine-tune (unless eval_only), save the model as a checkpoint in cfg.out_dir, then evaluate on the test split."""
+    """Fine-tune (unless eval_only), save the model as a checkpoint in cfg.out_dir, then evaluate on the test split.
+    Fine-tuning holds cfg.out_dir for the whole run (runfolder.hold): one run per folder, never a pretraining run's."""
+    with hold(cfg.out_dir, "fine-tuning", enabled=not eval_only):
+        return _run(ckpt_path, cfg, eval_only, quiet)
+
+
+def _run(ckpt_path: str, cfg: FinetuneConfig, eval_only: bool, quiet: bool) -> dict:
     say = (lambda *a: None) if quiet else tqdm.write
     device, dtype = resolve_device(TrainConfig(max_steps=1, device=cfg.device, dtype=cfg.dtype), 0)
     if dtype == torch.float16:  # fine-tuning has no loss scaler (train_minimal.py has one): float32 on GPUs without bf16
@@ -314,6 +322,9 @@ def run(ckpt_path: str, cfg: FinetuneConfig, eval_only: bool = False, quiet: boo
     if cfg.n_iter is not None and model.config.arch == "dense":
         raise FinetuneError(f"--n-iter {cfg.n_iter}: test-time depth applies to full_loop and asymloop; this checkpoint is dense")
     check_tokenizer(tokenizer, splits["train"] + splits["test"], cfg.keep_calc)
+    if cfg.seq_len > model.config.max_seq_len and not eval_only:
+        raise FinetuneError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={model.config.max_seq_len}; pass --seq-len "
+                            f"{model.config.max_seq_len} or less")
     eot = eot_id(tokenizer)
     arch = f"{model.config.arch} K={model.config.n_iter}"
     say(f"{meta['path']}: {arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {device} "
@@ -366,8 +377,10 @@ def main(argv=None):
     ckpt_path, eval_only, quiet = args.pop("ckpt"), args.pop("eval_only"), args.pop("quiet")
     try:
         return run(ckpt_path, FinetuneConfig(**args), eval_only, quiet)
-    except (FinetuneError, DataError, ckpt.CheckpointError) as e:
+    except (FinetuneError, DataError, ckpt.CheckpointError, RunFolderError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # --out-dir unwritable, a full disk, a file in the path
+        sys.exit(f"error: {os_error_line(e, 'cannot write')}")
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ from minimal_asymloop.checkpoint import (  # noqa: F401 (the --ckpt rule, re-exp
     load_model,
     read_meta,
     resolve,
+    verify,
 )
 from minimal_asymloop.flops import count_params
 from minimal_asymloop.model import ModelConfig
+from minimal_asymloop.runfolder import os_error_line
 
 ARCH_NAMES = {"dense": "Dense", "full_loop": "Full Loop", "asymloop": "AsymLoop"}
 
@@ -115,6 +117,7 @@ def export(ckpt, to, license: str = "mit", repo: str = "owner/name") -> Path:
     meta = read_meta(resolve(ckpt))
     src, to = Path(meta.pop("path")), Path(to)
     meta.pop("hub_repo", None)
+    verify(src, meta, ["model.safetensors", "tokenizer.json"])  # never share a corrupt checkpoint
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise CheckpointError(f"--to {to} exists and is not an empty folder; choose a new folder or remove it")
     to.parent.mkdir(parents=True, exist_ok=True)
@@ -178,6 +181,8 @@ def main(argv=None):
             print(f"pushed to {push(args.ckpt, args.repo, args.private, args.license)}")
     except (CheckpointError, DataError) as err:
         sys.exit(f"error: {err}")
+    except OSError as err:  # --to under a file, unwritable, a full disk
+        sys.exit(f"error: {os_error_line(err)}")
 
 
 if __name__ == "__main__":

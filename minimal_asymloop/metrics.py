@@ -1,10 +1,12 @@
 """Metrics: every logged figure goes to out_dir/metrics.jsonl (and to Weights & Biases when asked), and the
 plots drawn from it after a run (loss.png, srank.png). Plots are bare matplotlib Figures: no pyplot state."""
 
+import errno
 import json
 import os
 from pathlib import Path
 
+from minimal_asymloop.runfolder import RunFolderError, after_write_failure, why_and_fix
 from minimal_asymloop.system import rank_and_world
 
 
@@ -13,23 +15,78 @@ def log_metrics(out_dir, row: dict, wandb_run=None):
     Every logged figure goes through here."""
     if rank_and_world()[0] != 0:
         return
-    with open(Path(out_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_line(Path(out_dir) / "metrics.jsonl", json.dumps(row) + "\n")
     if wandb_run is not None:
         wandb_run.log(row)  # as nanoGPT does: wandb's own step counter; plot against the row's "step"
 
 
-def read_metrics(out_dir) -> list[dict]:
+def append_line(path: Path, line: str):
+    """Append `line` whole or not at all: one write to an O_APPEND file; a write cut short (a full disk) is truncated
+    away, and the error is one line saying what is intact and what to do."""
+    data = line.encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise _append_failure(path, e) from None
+    try:
+        start, done = os.fstat(fd).st_size, 0
+        try:
+            while done < len(data):
+                n = os.write(fd, data[done:])
+                if n == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                done += n
+        except OSError as e:
+            if os.fstat(fd).st_size != start:  # never leave a partial line (truncating frees space: it works on a full disk)
+                os.ftruncate(fd, start)
+            raise _append_failure(path, e) from None
+    finally:
+        os.close(fd)
+
+
+def _append_failure(path: Path, e: OSError) -> RunFolderError:
+    why, fix = why_and_fix(e)
+    return RunFolderError(f"could not append to {path}: {why}; {after_write_failure(path.parent, fix)}")
+
+
+def read_metrics(out_dir, on_partial=None) -> list[dict]:
+    """The rows of out_dir/metrics.jsonl. A last line cut short (a write interrupted by a crash or a full disk) is
+    dropped, and `on_partial(text)` called with it; a bad line elsewhere is an error naming it."""
     path = Path(out_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    text = path.read_text(errors="replace")
+    lines = text.split("\n")
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # no newline after it: the last write did not finish
+                if on_partial is not None:
+                    on_partial(line)
+                break
+            raise RunFolderError(f"{path} line {i + 1} is not JSON ({line[:60]!r}); remove that line to use the file") from None
+    return rows
 
 
-def trim_metrics(out_dir, last_step: int):
-    """On resume: drop rows logged after the checkpoint (they will be recomputed), atomically."""
-    rows = [r for r in read_metrics(out_dir) if r.get("step", 0) <= last_step]
+def trim_metrics(out_dir, last_step: int, say=print):
+    """On resume: drop rows logged after the checkpoint (they will be recomputed) and a partial last line (said in one
+    line), atomically."""
+    notes = []
+    rows = [r for r in read_metrics(out_dir, notes.append) if r.get("step", 0) <= last_step]
+    if notes:
+        say(f"note: {Path(out_dir) / 'metrics.jsonl'} ended in a partial line ({len(notes[0])} characters, from a write that did not "
+            f"finish); dropped it")
     tmp = Path(out_dir) / "metrics.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, Path(out_dir) / "metrics.jsonl")
+    try:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, Path(out_dir) / "metrics.jsonl")
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _append_failure(Path(out_dir) / "metrics.jsonl", e) from None
 
 
 def plot_metrics(out_dir, unigram_entropy: float | None = None) -> Path:

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from minimal_asymloop.checkpoint import CheckpointError, load_model
+from minimal_asymloop.runfolder import os_error_line
 from minimal_asymloop.sources import DataError, eot_id
 from minimal_asymloop.system import ConfigError, mps_error, pick_device
 
@@ -85,6 +86,8 @@ def main(argv=None):
         model, tokenizer, meta = load_model(args.ckpt, device)
     except (CheckpointError, ConfigError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: {os_error_line(e, 'cannot read')}")
     cfg = model.config
     if args.n_iter is not None and cfg.arch == "dense":
         p.error("--n-iter applies to looped models (full_loop, asymloop); this checkpoint is dense")

@@ -28,6 +28,7 @@ from minimal_asymloop.flops import count_params, flops_per_token
 from minimal_asymloop.metrics import log_metrics, plot_metrics, plot_stable_rank, read_metrics, trim_metrics  # noqa: F401 (re-exported)
 from minimal_asymloop.model import LoopedLM, ModelConfig
 from minimal_asymloop.optim import lr_at, make_alrs, param_groups  # noqa: F401 (re-exported)
+from minimal_asymloop.runfolder import hold
 from minimal_asymloop.sources import fineweb_for_budget
 from minimal_asymloop.system import (  # noqa: F401 (gpu_peak_flops: re-exported for tests)
     ConfigError,
@@ -154,6 +155,12 @@ def _check_resume(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, data_met
 
 
 def train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
+    """`_train` with out_dir held for the whole run (runfolder.hold; under DDP by rank 0): one run per folder."""
+    with hold(cfg.out_dir, "pretraining", enabled=int(os.environ.get("RANK", 0)) == 0):
+        return _train(model_cfg, cfg, lr_hook)
+
+
+def _train(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook=None) -> dict:
     """Train, evaluate, checkpoint. Returns {"history", "val_loss", "unigram_entropy", "step", ...}.
 
     lr_hook (optional, for ALRS): an object with `on_step(step, model, optimizer) -> dict | None`
@@ -286,11 +293,14 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
 
 
 def resume(run: Run):
-    """Load weights, optimizer, LR-hook state, RNG and counters from out_dir/latest; drop metrics logged after it."""
-    meta = ckpt.read_meta(run.out_dir)
+    """Load weights, optimizer, LR-hook state, RNG and counters from out_dir/latest (or, when it is corrupt, the newest intact
+    checkpoint); drop metrics logged after it."""
+    meta, state = ckpt.newest_intact(run.out_dir, run.say)  # every file verified; past a corrupt `latest`, said in one line
     _check_resume(meta, run.model_cfg, run.cfg, run.data.meta)
-    state = ckpt.load_state(meta["path"])
-    ckpt.load_weights(run.raw, Path(meta["path"]))
+    if run.cfg.stop_step is not None and run.cfg.stop_step <= state["step"]:
+        raise ConfigError(f"--stop-step {run.cfg.stop_step} is not after the checkpoint's step {state['step']}: nothing to do; "
+                          f"pass a --stop-step in {state['step'] + 1}..{run.cfg.total_steps()}, or drop it")
+    ckpt.load_weights(run.raw, Path(meta["path"]), meta)
     run.optimizer.load_state_dict(state["optimizer"])
     for g in run.optimizer.param_groups:  # the device may have changed since the save
         g["fused"], g["foreach"] = (True, None) if run.device.type == "cuda" else (None, None)
@@ -306,7 +316,7 @@ def resume(run: Run):
     run.overflow_skipped = state.get("overflow_skipped", 0)
     run.wandb_id = state.get("wandb_id")
     if run.master:
-        trim_metrics(run.out_dir, run.step)
+        trim_metrics(run.out_dir, run.step, run.say)
     run.say(f"resumed from {meta['path']} at step {run.step}")
 
 

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 from conftest import DATA, MODEL
+from safetensors.torch import load_file, save_file
+from test_reliability import rechecksum
 
 import train_minimal
 from minimal_asymloop import checkpoint as ckpt
-from minimal_asymloop import sample
+from minimal_asymloop import evaluate, finetune, hub, sample
 from minimal_asymloop.model import ModelConfig
 
 
@@ -62,6 +64,13 @@ def _without(folder: Path, name: str) -> Path:
     return folder
 
 
+def _dir_for(folder: Path, name: str) -> Path:
+    """Replace a checkpoint file by a folder of the same name: reading it is a real OS error (EISDIR), even as root."""
+    (folder / name).unlink()
+    (folder / name).mkdir()
+    return folder
+
+
 def _truncate(file: Path) -> Path:
     data = file.read_bytes()
     file.write_bytes(data[: len(data) // 2])
@@ -74,10 +83,48 @@ def _small_corpus(folder: Path) -> Path:
     return folder
 
 
+def flip_tensor_bytes(folder: Path) -> Path:
+    """Invert 64 bytes in the middle of model.safetensors' tensor data, its JSON header untouched: still loads."""
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # an 8-byte header length, the header, then the tensor bytes
+    mid = (start + len(data)) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    path.write_bytes(bytes(data))
+    return folder
+
+
+def _nan_weights(folder: Path) -> Path:
+    w = load_file(str(folder / "model.safetensors"))
+    name = sorted(w)[0]
+    w[name] = w[name] * float("nan")
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return rechecksum(folder)  # a "valid" file of NaNs: only the finiteness check catches it
+
+
+def _gsm8k(folder: Path) -> Path:
+    rows = [dict(question=f"Tom has {i} apples and buys 2. How many now?", answer=f"{i}+2={i + 2}\n#### {i + 2}") for i in range(8)]
+    for split in ("train", "test"):
+        _write(folder / f"{split}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    return folder
+
+
+def _ft_argv(t: Path, ckpt_dir, out, *extra) -> list[str]:
+    return ["--ckpt", str(ckpt_dir), "--data", str(_gsm8k(t / "gsm8k")), "--out-dir", str(out), "--n-dev", "2", "--seq-len", "64",
+            "--epochs", "1", "--global-batch", "2", "--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32", "--quiet", *extra]
+
+
+def _finetuned(t: Path, ckpt_dir) -> Path:
+    """out_dir of a finished (3-step) fine-tuning run."""
+    finetune.main(_ft_argv(t, ckpt_dir, t / "ft"))
+    return t / "ft"
+
+
 DENSE = ModelConfig(arch="dense", **MODEL).to_dict()  # asymloop weights under a dense config: another architecture's checkpoint
 
 # (id, command line: "train" or "sample", argv builder (data_cache, tmp, cli_run, tiny_checkpoint) -> argv, expected in the last line)
-T, S = "train", "sample"
+T, S, E, F, H = "train", "sample", "evaluate", "finetune", "hub"
+MAINS = {T: train_minimal.main, S: sample.main, E: evaluate.main, F: finetune.main, H: hub.main}
 CASES = [
     ("unknown-size", T, lambda d, t, r, c: _train_argv(d, t / "o", "--size", "7b"), "unknown size '7b'; choose one of tiny, 60m"),
     ("unknown-arch", T, lambda d, t, r, c: _train_argv(d, t / "o", "--arch", "loop"), "unknown arch 'loop'; choose one of dense"),
@@ -112,10 +159,32 @@ CASES = [
     ("resume-other-arch", T, lambda d, t, r, c: _train_argv(d, r, "--resume", "--arch", "full_loop"),
      "the config differs from the checkpoint's (arch: 'asymloop' -> 'full_loop'"),
     ("resume-corrupt-state", T, lambda d, t, r, c: _train_argv(d, _write(_copy_run(r, t / "r") / "latest" / "state.pt", b"junk")
-                                                               .parent, "--resume"), "is corrupt: state.pt cannot be loaded"),
+                                                               .parent, "--resume"),
+     "is corrupt: state.pt does not match the checksum in meta.json"),
+    # values checked when the config is built, before any data is prepared, with the valid range and the way to go
+    ("lr-negative", T, lambda d, t, r, c: _train_argv(d, t / "o", "--lr", "-0.01", "--data", str(t / "nope.txt")),
+     "lr must be in (0, inf), got -0.01; raise it"),
+    ("lr-nan", T, lambda d, t, r, c: _train_argv(d, t / "o", "--lr", "nan"), "lr must be in (0, inf), got nan; give a number"),
+    ("beta1>1", T, lambda d, t, r, c: _train_argv(d, t / "o", "--beta1", "2"), "beta1 must be in [0, 1), got 2.0; lower it"),
+    ("grad-clip-negative", T, lambda d, t, r, c: _train_argv(d, t / "o", "--grad-clip", "-1"),
+     "grad_clip must be in (0, inf] (inf: no clipping), got -1.0; raise it"),
+    ("warmup-frac-negative", T, lambda d, t, r, c: _train_argv(d, t / "o", "--warmup-frac", "-1"),
+     "warmup_frac must be in [0, 1], a share of the steps, got -1.0; raise it"),
+    ("val-fraction-1.5", T, lambda d, t, r, c: _train_argv(d, t / "o", "--val-fraction", "1.5"),
+     "val_fraction must be in (0, 1), a share of the documents, got 1.5; lower it"),
+    ("resume-stop-step-passed", T, lambda d, t, r, c: _train_argv(d, _copy_run(r, t / "r"), "--resume", "--stop-step", "1"),
+     "--stop-step 1 is not after the checkpoint's step 2: nothing to do; pass a --stop-step in 3..2, or drop it"),
+    ("resume-flipped-weights", T, lambda d, t, r, c: _train_argv(d, flip_tensor_bytes(_copy_run(r, t / "r") / "latest").parent,
+                                                                 "--resume"),
+     "is corrupt: model.safetensors does not match the checksum in meta.json"),
+    ("train-into-a-finetune-folder", T, lambda d, t, r, c: _train_argv(d, _finetuned(t, c), "--resume"),
+     "holds a fine-tuning run; pretraining there would overwrite its metrics.jsonl and checkpoints; pretrain into a new --out-dir"),
     ("ckpt-other-arch", S, lambda d, t, r, c: ["--ckpt", str(_edit_meta(_ckpt_copy(c, t / "k"), model_config=DENSE))],
      "does not match its model config"),
     ("ckpt-truncated", S, lambda d, t, r, c: ["--ckpt", str(_truncate(_ckpt_copy(c, t / "k") / "model.safetensors"))],
+     "is corrupt: model.safetensors does not match the checksum in meta.json"),
+    ("ckpt-truncated-no-checksums", S, lambda d, t, r, c: ["--ckpt", str(_edit_meta(_truncate(_ckpt_copy(c, t / "k") / "model.safetensors"),
+                                                                                    checksums={}))],
      "is corrupt or truncated: model.safetensors cannot be read"),
     ("ckpt-corrupt-meta", S, lambda d, t, r, c: ["--ckpt", str(_write(_ckpt_copy(c, t / "k") / "meta.json", b"{"))],
      "is corrupt: meta.json is not valid JSON"),
@@ -124,13 +193,38 @@ CASES = [
     ("ckpt-newer-format", S, lambda d, t, r, c: ["--ckpt", str(_edit_meta(_ckpt_copy(c, t / "k"), format_version=ckpt.FORMAT_VERSION + 1))],
      f"has format_version {ckpt.FORMAT_VERSION + 1}, newer than this code's {ckpt.FORMAT_VERSION}; update minimal-asymloop to load it"),
     ("ckpt-missing", S, lambda d, t, r, c: ["--ckpt", str(t / "nothing")], "no checkpoint at"),
+    ("ckpt-flipped-weights", S, lambda d, t, r, c: ["--ckpt", str(flip_tensor_bytes(_ckpt_copy(c, t / "k")))],
+     "is corrupt: model.safetensors does not match the checksum in meta.json"),
+    ("ckpt-nan-weights", S, lambda d, t, r, c: ["--ckpt", str(_nan_weights(_ckpt_copy(c, t / "k")))],
+     "is corrupt: its weights hold inf/NaN values (first in "),
+    ("ckpt-meta-wrong-type", S, lambda d, t, r, c: ["--ckpt", str(_edit_meta(_ckpt_copy(c, t / "k"), model_config="x"))],
+     "is corrupt: meta.json field 'model_config' should be a JSON object, got \"x\""),
+    ("ckpt-meta-is-a-folder", S, lambda d, t, r, c: ["--ckpt", str(_dir_for(_ckpt_copy(c, t / "k"), "meta.json"))],
+     "meta.json: it is a folder, not a file"),
+    ("eval-flipped-weights", E, lambda d, t, r, c: ["--ckpt", str(flip_tensor_bytes(_ckpt_copy(c, t / "k"))), "--device", "cpu"],
+     "is corrupt: model.safetensors does not match the checksum in meta.json"),
+    ("eval-out-under-a-file", E, lambda d, t, r, c: ["--ckpt", str(c), "--device", "cpu", "--eval-batches", "1",
+                                                     "--out", str(_write(t / "f", b"x") / "f" / "eval.json")],
+     "f/.eval.json.tmp-"),
+    ("hub-export-flipped-weights", H, lambda d, t, r, c: ["export", "--ckpt", str(flip_tensor_bytes(_ckpt_copy(c, t / "k"))),
+                                                          "--to", str(t / "x")],
+     "is corrupt: model.safetensors does not match the checksum in meta.json"),
+    ("hub-export-under-a-file", H, lambda d, t, r, c: ["export", "--ckpt", str(c), "--to", str(_write(t / "f", b"x") / "f" / "x")],
+     "f: it exists and is not a folder; choose another path or remove it"),
+    ("finetune-into-a-pretraining-folder", F, lambda d, t, r, c: _ft_argv(t, c, _copy_run(r, t / "r")),
+     "holds a pretraining run; fine-tuning there would overwrite its metrics.jsonl and checkpoints; fine-tune into a new --out-dir"),
+    ("finetune-seq-len>max", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--seq-len", "4096"),
+     "seq_len=4096 exceeds the model's max_seq_len=64; pass --seq-len 64 or less"),
+    ("finetune-lr-negative", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--lr", "-1"), "lr must be in (0, inf), got -1.0; raise it"),
+    ("finetune-out-dir-under-a-file", F, lambda d, t, r, c: _ft_argv(t, c, _write(t / "f", b"x") / "f" / "ft"),
+     "(Not a directory); choose a writable --out-dir"),
 ]
 
 
 @pytest.mark.parametrize("name, cli, argv, expected", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gives_one_clear_line(name, cli, argv, expected, data_cache, tmp_path, cli_run, tiny_checkpoint, capsys):
     args = argv(data_cache, tmp_path, cli_run, tiny_checkpoint)
-    main = train_minimal.main if cli == T else sample.main
+    main = MAINS[cli]
     with pytest.raises(SystemExit) as e:
         main(args)
     err = capsys.readouterr().err

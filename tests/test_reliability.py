@@ -160,7 +160,7 @@ def test_a_full_disk_at_checkpoint_time_is_one_line_and_keeps_the_previous_check
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == (
         f"error: could not write checkpoint ckpt_0000008 to {out}: a file size limit was hit; the previous checkpoint ckpt_0000004 "
-        f"is intact; free disk space or fix --out-dir's permissions, then continue with --resume")
+        f"is intact; raise the limit (ulimit -f) or free space, then continue with --resume")
     assert _latest_step(out) == 4 and ckpt.load_model(out)[2]["step"] == 4 and ckpt.load_state(out)["step"] == 4
     assert not list(out.glob(".tmp-*")) and not (out / "ckpt_0000008").exists()
 
@@ -218,23 +218,50 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-def test_a_checkpoint_whose_unpickling_runs_code_is_refused(tiny_checkpoint, tiny_configs, tmp_path):
+class _System:
+    """Unpickling this calls os.system(command): the classic payload."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def rechecksum(folder: Path) -> Path:
+    """Record the current checksums of a checkpoint's files in its meta.json, as a forger (or a careless tool) would."""
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["checksums"] = {n: ckpt.file_checksum(folder / n) for n in meta["checksums"]}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["open", "os.system"])
+def test_a_checkpoint_whose_unpickling_runs_code_is_refused(kind, tiny_checkpoint, tiny_configs, tmp_path):
     import shutil
 
-    control = tmp_path / "control-marker"
-    torch.save({"step": 1, "x": _Payload(control)}, tmp_path / "control.pt")
+    marker = tmp_path / "marker"
+    payload = _Payload(marker) if kind == "open" else _System(f"touch {marker}")
+    torch.save({"step": 1, "x": payload}, tmp_path / "control.pt")
     torch.load(tmp_path / "control.pt", weights_only=False)  # the payload is live: an unsafe loader runs it
-    assert control.exists()
+    assert marker.exists()
+    marker.unlink()
 
     run = tmp_path / "run"
     shutil.copytree(tiny_checkpoint, run, symlinks=True)
-    marker = tmp_path / "marker"
-    torch.save({"step": 30, "x": _Payload(marker)}, run / "latest" / "state.pt")
-    with pytest.raises(ckpt.CheckpointError, match=r"refused to load .*state.pt: it contains pickled code, which is never run"):
+    torch.save({"step": 30, "x": payload}, run / "latest" / "state.pt")
+    # swapped in without its checksum: corrupt, and never unpickled
+    with pytest.raises(ckpt.CheckpointError, match=r"is corrupt: state.pt does not match the checksum in meta.json"):
         ckpt.load_state(run)
+    # with meta.json's checksum rewritten to match: refused as code, without torch's advice to load it unsafely
+    rechecksum(run / "latest")
+    with pytest.raises(ckpt.CheckpointError, match=r"refused to load .*state.pt: it contains pickled code or objects, which are "
+                                                   r"never run") as e:
+        ckpt.load_state(run)
+    assert "weights_only" not in str(e.value) and "corrupt" not in str(e.value)
     mcfg, tcfg = tiny_configs(max_steps=30, eval_interval=15, out_dir=str(run), resume=True)
     with pytest.raises(ckpt.CheckpointError, match="refused to load"):
-        train(mcfg, tcfg)  # the user's path: --resume
+        train(mcfg, tcfg)  # the user's path: --resume; a refused file is never skipped over by the fallback
     assert ckpt.load_model(run)[2]["step"] == 30  # weights (safetensors) and meta (JSON) never unpickle anything
     assert not marker.exists()
 

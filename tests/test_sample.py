@@ -82,6 +82,9 @@ def test_cli_errors(tiny_checkpoint, tmp_path, capsys):
     meta["model_config"]["arch"] = "asymloop"
     (bad / "meta.json").write_text(json.dumps(meta))
     (bad / "tokenizer.json").write_text("{not json")
+    assert "is corrupt: tokenizer.json does not match the checksum in meta.json" in cli_error(capsys, "--ckpt", bad)
+    meta["checksums"].pop("tokenizer.json")  # a checkpoint without its checksum: the parse still fails in one line
+    (bad / "meta.json").write_text(json.dumps(meta))
     assert "tokenizer.json cannot be read" in cli_error(capsys, "--ckpt", bad)
 
 
