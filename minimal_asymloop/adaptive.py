@@ -8,11 +8,16 @@ The mechanism (the exit rule and the Local KV reuse) lives in generate.py (`adap
 `python -m minimal_asymloop.bench adaptive` runs both sweeps and docs/generation.md reports them.
 """
 
+import json
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from minimal_asymloop.flops import flops_per_token
 from minimal_asymloop.generate import adaptive_logits
+from minimal_asymloop.paths import REPO, RESULTS
 
 # exit thresholds (KL, nats) swept: 0 is fixed depth max_iter; Huginn's default for its KL rule is 1e-3
 TAUS = (0.0, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
@@ -108,3 +113,79 @@ def mean_of(sweeps: list[dict]) -> dict:
         return vals[0] if isinstance(vals[0], int) else sum(vals) / len(vals)
 
     return avg(sweeps)
+
+
+# ----------------------------------------------------------------------------- python -m minimal_asymloop.bench adaptive
+
+
+def bench(args):
+    """Adaptive per-token depth against fixed K = 1..K_max, side by side: mean decoder iterations per token and
+    validation cross-entropy of a trained LM checkpoint, then on the chain task (the committed asymloop_k3 weights,
+    one model per seed) accuracy and mean exit iteration by hop count. Measures quality and compute (FLOPs), not time."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    taus = args.taus or list(TAUS)
+    command = (f"python -m minimal_asymloop.bench adaptive --ckpt {args.ckpt or 'none'} --max-iter {args.max_iter} "
+               f"--lm-windows {args.lm_windows} --seeds {' '.join(map(str, args.seeds))} --chain-max-iter {args.chain_max_iter}"
+               + (f" --taus {' '.join(map(str, args.taus))}" if args.taus else "") + (f" --out {args.out}" if args.out else ""))
+    report = dict(command=command, taus=taus, torch=torch.__version__)
+
+    def show(title, sw, by_hops=False):
+        print(f"\n{title} (K_max {sw['max_iter']}, trained K {sw['trained_n_iter']})")
+        print(f"{'depth':>14} {'iters/token':>11} {'iters scored':>12} {'CE':>7} {'acc':>6} {'FLOPs vs K_max':>14}"
+              + ("  acc by hops         iters by hops" if by_hops else ""))
+        for r in sw["fixed"] + sw["adaptive"]:
+            name = f"fixed K={r['k']}" if "k" in r else f"tau={r['tau']:g}"
+            extra = ""
+            if by_hops:
+                extra = ("  " + " ".join(f"{a:.3f}" for a in r["acc_by_hops"].values())
+                         + "   " + " ".join(f"{i:.2f}" for i in r["iter_by_hops"].values()))
+            print(f"{name:>14} {r['mean_iter']:>11.2f} {r['mean_iter_scored']:>12.2f} {r['ce']:>7.4f} {r['acc']:>6.3f} "
+                  f"{r['flops_vs_max']:>14.3f}{extra}")
+
+    if args.ckpt and args.ckpt != "none":
+        from minimal_asymloop.checkpoint import CheckpointError, load_model
+        from minimal_asymloop.data import eval_windows
+        from minimal_asymloop.evaluate import held_out_tokens
+
+        if not Path(args.ckpt).exists() and "/" in args.ckpt and args.ckpt.startswith("out"):
+            raise SystemExit(f"error: no checkpoint at {args.ckpt}; make one with  python train_minimal.py  (the tiny "
+                             f"AsymLoop K=3, a few minutes on a 2-core CPU), or pass --ckpt PATH, or --ckpt none for the chain task only")
+        try:
+            model, tokenizer, meta = load_model(args.ckpt)
+        except CheckpointError as e:
+            raise SystemExit(f"error: {e}") from None
+        seq, chunk = meta["train_config"]["seq_len"], 8
+        n = -(-args.lm_windows // chunk) * chunk
+        tokens = held_out_tokens(meta, tokenizer, None, n * seq + 1, quiet=True)
+        starts = eval_windows(tokens, seq, n)
+        sweeps = []
+        for c in range(0, n, chunk):
+            w = torch.from_numpy(np.stack([tokens.window(int(s), seq + 1) for s in starts[c:c + chunk]]))
+            sweeps.append(sweep(model, w[:, :-1], w[:, 1:], taus, args.max_iter))
+        lm = mean_of(sweeps)
+        ckpt = Path(meta["path"]).resolve()
+        ckpt = ckpt.relative_to(REPO) if ckpt.is_relative_to(REPO) else ckpt
+        report["lm"] = dict(ckpt=str(ckpt), step=meta.get("step"), model=model.config.to_dict(), seq_len=seq,
+                            val_tokens=n * seq, **lm)
+        show(f"LM {meta['path']} (step {meta.get('step')}), {n} held-out windows of {seq} tokens", lm)
+
+    if args.seeds:
+        weights = Path(args.chain_weights or RESULTS / "chain_weights")
+        idx, targets, hops = chain_batch()
+        runs = []
+        for seed in args.seeds:
+            path = weights / f"asymloop_k3-s{seed}.safetensors"
+            if not path.exists():
+                raise SystemExit(f"error: no chain-task weights at {path}; pass --chain-weights DIR or --seeds with "
+                                 f"seeds whose weights exist (the committed ones: {', '.join(map(str, CHAIN_SEEDS))})")
+            sw = sweep(chain_model(path), idx, targets, taus, args.chain_max_iter, hops=hops)
+            runs.append(dict(seed=seed, **sw))
+            show(f"chain task, asymloop_k3 seed {seed}, {len(idx)} held-out programs", sw, by_hops=True)
+        where = weights.resolve()
+        report["chain"] = dict(weights=str(where.relative_to(REPO) if where.is_relative_to(REPO) else where),
+                               programs=len(idx), runs=runs)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"\nwrote {args.out}")
+    return report
