@@ -571,14 +571,14 @@ class LoopedLM(nn.Module):
                 "moe_z_loss": cfg.moe_z_weight * sum(m.z_sum for m in moe) / calls}
 
     @torch.no_grad()
-    def moe_load_entropy(self) -> dict[str, float]:
-        """Entropy (nats) of each MoE layer's expert load in the last forward, summed over its iterations:
-        log(moe_experts) = perfectly balanced, 0 = every token on one expert."""
+    def moe_load_entropy(self) -> dict[str, torch.Tensor]:
+        """Entropy (nats, a 0-dim tensor on the model's device) of each MoE layer's expert load in the last forward,
+        summed over its iterations: log(moe_experts) = perfectly balanced, 0 = every token on one expert."""
         out = {}
         for name, m in self.moe_layers().items():
             if m.n_calls:
                 share = m.load.float() / m.load.sum()
-                out[f"moe_load_entropy/{name.removesuffix('.mlp')}"] = torch.special.entr(share).sum().item()
+                out[f"moe_load_entropy/{name.removesuffix('.mlp')}"] = torch.special.entr(share).sum()
         return out
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -177,7 +177,7 @@ class Run:
     skipped_in_row: int = 0
     first_step: int = 0  # the step this process started at (0, or where it resumed)
     pending: list = field(default_factory=list)  # (step, lr, stats on the device, extra) of the steps not logged yet
-    aux_names: list = field(default_factory=list)  # the names of stats[3:], MoE's aux losses
+    stat_names: list = field(default_factory=list)  # the names of a pending step's stats[3:]: MoE's aux losses, load entropies
     t_log: float = 0.0  # when the first pending step started
     compiled: bool = False  # the step runs torch.compile'd (compile_and_wrap decides)
 
@@ -248,7 +248,7 @@ def resume(run: Run):
     state = ckpt.load_state(meta["path"])
     ckpt.load_weights(run.raw, Path(meta["path"]))
     run.optimizer.load_state_dict(state["optimizer"])
-    for g in run.optimizer.param_groups:  # checkpoints from before the fused optimizer on CPU, or from another device
+    for g in run.optimizer.param_groups:  # the checkpoint may come from another device, or an unfused optimizer
         g["fused"], g["foreach"] = True, None
     if (state.get("lr_hook") is None) != (run.lr_hook is None):
         raise ConfigError(f"cannot resume from {meta['path']}: it was trained {'with' if run.lr_hook is None else 'without'} an LR hook "
@@ -358,7 +358,9 @@ def optimizer_step(run: Run, step: int, flag: dict) -> bool:
     run.optimizer.found_inf = (~torch.isfinite(stats[:2]).all()).float()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    run.pending.append((step, lr, stats, extra))
+    entropy = run.raw.moe_load_entropy()  # MoE: per-layer expert-load entropy, last micro-batch of this rank
+    run.stat_names = [*aux_sum, *entropy]  # the names of stats[3:]
+    run.pending.append((step, lr, torch.cat([stats, *[e.float().view(1) for e in entropy.values()]]), extra))
     run.step = step + 1
     stop = run.world == 1 and bool(flag)  # one process reads its own flag; ranks agree on theirs at the next log
     if stop or run.step == run.first_step + 1 or run.step % cfg.log_interval == 0 or checkpoint_due(run, run.step):
@@ -373,7 +375,7 @@ def log_steps(run: Run) -> bool:
     values = torch.stack([stats for _, _, stats, _ in run.pending]).tolist()
     dt = (time.time() - run.t_log) / len(run.pending)  # step time: the interval's mean
     stop = False
-    for (step, lr, _, extra), (loss_val, gn, stop_flag, *aux) in zip(run.pending, values):
+    for (step, lr, _, extra), (loss_val, gn, stop_flag, *aux) in zip(run.pending, values):  # aux: MoE aux losses, entropies
         stop = stop or stop_flag > 0
         if math.isfinite(loss_val) and math.isfinite(gn):
             run.skipped_in_row = 0
@@ -381,11 +383,9 @@ def log_steps(run: Run) -> bool:
             skip_or_stop(run, step, loss_val, gn)  # its update was not applied (the LR schedule and data order moved on)
         row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn, tok_per_s=tokens_per_step / dt,
                    step_s=dt)
-        row.update(zip(run.aux_names, aux))
+        row.update(zip(run.stat_names, aux))
         if run.skipped:
             row["nonfinite_skipped"] = run.skipped
-        if step + 1 == run.step:
-            row.update(run.raw.moe_load_entropy())  # MoE: per-layer expert-load entropy, last micro-batch of rank 0
         if run.peak_flops:
             row["mfu"] = 3 * flops_per_token(run.model_cfg, cfg.seq_len)["total"] * tokens_per_step / dt / (run.peak_flops * run.world)
         row.update(extra or {})
@@ -418,7 +418,6 @@ def accumulate_gradients(run: Run, step: int) -> tuple[torch.Tensor, dict]:
         ce_sum += ce.detach() / run.accum
         for k, v in aux.items():
             aux_sum[k] = aux_sum.get(k, 0.0) + v.detach() / run.accum
-    run.aux_names = list(aux_sum)
     return ce_sum, aux_sum
 
 

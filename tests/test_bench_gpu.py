@@ -106,16 +106,16 @@ def test_training_summary_states_the_targets():
     assert "NOT met" in said[0]
 
 
+class _FakeTokens:
+    def window(self, start, n):
+        return torch.randint(0, 512, (n,)).numpy()
+
+    def __len__(self):
+        return 10_000
+
+
 class _FakeData:
-    vocab_size = 512
-
-    class train:  # noqa: N801 (stands in for data.train)
-        @staticmethod
-        def window(start, n):
-            return torch.randint(0, 512, (n,)).numpy()
-
-        def __len__(self):
-            return 10_000
+    vocab_size, train = 512, _FakeTokens()
 
 
 def _fake_rows(monkeypatch, first_step_s):
