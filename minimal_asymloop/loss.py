@@ -39,11 +39,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for i, (h_c, t_c, ok) in enumerate(zip(h.split(chunk), targets.split(chunk), valid.split(chunk))):
             h_c, t_c = h_c.to(dtype), t_c.clamp_min(0)
             logits = (h_c @ w.t()).float()  # (c, V): the only logits alive at any time
-            lse = logits.logsumexp(dim=-1)  # (c,)
-            picked = logits.gather(1, t_c.unsqueeze(1)).squeeze(1)
-            total = total + torch.where(ok, lse - picked, 0.0).sum()
+            picked = logits.gather(1, t_c.unsqueeze(1)).squeeze(1)  # (c,) the targets' logits
+            top = logits.amax(dim=-1, keepdim=True)
+            expd = logits.sub_(top).exp_()  # in place: no second (c, V) tensor, as logsumexp would make
+            z = expd.sum(dim=-1)
+            total = total + torch.where(ok, top.squeeze(1) + z.log() - picked, 0.0).sum()  # logsumexp - target logit
             if need_grad:  # softmax - one_hot, in place; IGNORE rows get no gradient
-                grad = logits.sub_(lse.unsqueeze(1)).exp_()
+                grad = expd.div_(z.unsqueeze(1))
                 grad.scatter_add_(1, t_c.unsqueeze(1), torch.full_like(picked.unsqueeze(1), -1.0))
                 grad = grad.mul_(ok.unsqueeze(1)).to(dtype)
                 d_h.split(chunk)[i].copy_(grad @ w)
