@@ -50,6 +50,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad = grad.mul_(ok.unsqueeze(1)).to(dtype)
                 d_h.split(chunk)[i].copy_(grad @ w)
                 d_w += (grad.t() @ h_c).float()
+                del grad
+            del logits, expd  # free this chunk's logits before the next chunk's exist
         ctx.save_for_backward(d_h, d_w, n_valid)
         return total / n_valid
 
