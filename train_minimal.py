@@ -68,8 +68,9 @@ def _field_parser(f):
     """argparse type for a dataclass field, from its annotation (`int | None` accepts 'auto' and 'none')."""
     base = {bool: _parse_bool, int: _parse_int, float: _parse_float, str: str}[_kind(f)]
     optional = isinstance(f.type, types.UnionType)
-    # a str field keeps "none" as a value: `--context none` is the "without Global KV" ablation, not "unset"
-    return lambda s: None if optional and base is not str and s.lower() in ("auto", "none", "null") else base(s)
+    # "auto" and "none" leave an optional setting to its default (`--compile auto`); a str field keeps "none" as a value:
+    # `--context none` is the "without Global KV" ablation, not "unset"
+    return lambda s: None if optional and base is not str and s.lower() in ("none", "null", "auto") else base(s)
 
 
 # the values of the fields that take one of a few; the dataclasses check them against the same tuples

@@ -8,6 +8,7 @@
     python -m minimal_asymloop.bench gpu --out gpu.json  # a fresh GPU's self-check, <= 8 minutes on one H100 (bench_gpu.py)
     python -m minimal_asymloop.bench data        # data preparation MB/s and tokens/s with 1 and 2 tokenizer workers
     python -m minimal_asymloop.bench adaptive --ckpt out/tiny-asymloop-k3   # adaptive per-token depth vs fixed K
+    python -m minimal_asymloop.bench loss        # chunked linear + cross-entropy vs fp32 logits: peak memory, time
 """
 
 import argparse
@@ -19,6 +20,7 @@ import torch
 from minimal_asymloop.bench_gpu import bench_gpu
 from minimal_asymloop.flops import flops_per_token
 from minimal_asymloop.generate import kv_cache_bytes
+from minimal_asymloop.loss import CHUNK_ELEMENTS, linear_cross_entropy, plain_cross_entropy
 from minimal_asymloop.model import (
     PAPER_MOE,
     LoopedLM,
@@ -37,6 +39,7 @@ from minimal_asymloop.system import (
     gpu_peak_flops,
     grad_scaler,
     mps_error,
+    peak_new_bytes,
     pick_device,
     resolve_dtype,
     timeit,
@@ -185,7 +188,7 @@ def bench_alrs(args):
 
     def fwd_bwd():
         with amp:
-            _, loss = model(idx, idx)
+            _, loss = model(idx, idx, return_logits=False)
         loss.backward()
 
     fwd_bwd()  # warm-up
@@ -215,7 +218,7 @@ def time_train_step(cfg, batch, seq, device, dtype, args) -> float:
 
     def step():
         with autocast_context(device, dtype):
-            _, loss = step_model(x[:, :-1], x[:, 1:])
+            _, loss = step_model(x[:, :-1], x[:, 1:], return_logits=False)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -323,6 +326,41 @@ def bench_adaptive(args):
     return adaptive.bench(args)
 
 
+def bench_loss(args):
+    """Peak memory and time of the LM loss, forward + backward, at the head's shape: chunked vs every logit in fp32."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tokens, d, v = args.tokens, args.d_model, args.vocab
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = torch.randn(tokens, d, generator=g).to(device).requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 0.02).to(device).requires_grad_()
+    y = torch.randint(0, v, (tokens,), generator=g).to(device)
+    chunk = args.chunk or max(1, CHUNK_ELEMENTS // v)
+    print(f"LM loss forward+backward: {tokens:,} tokens x d {d} -> vocab {v:,}, {device} "
+          f"{'bf16 autocast' if cuda else 'fp32'}; fp32 logits would be {tokens * v * 4 / 2**30:.2f} GiB; chunk {chunk:,} tokens")
+    print(f"{'loss':<24} {'peak MiB':>10} {'ms':>9}")
+    chunked = lambda *a: linear_cross_entropy(*a, chunk=chunk)  # noqa: E731
+    for name, fn in (("plain (fp32 logits)", plain_cross_entropy), ("linear_cross_entropy", chunked)):
+        def step(fn=fn):
+            h.grad = w.grad = None
+            with torch.autocast(device.type, dtype=dtype, enabled=cuda):
+                loss = fn(h, w, y)
+            loss.backward()
+        if cuda:  # the allocator's own peak, above what is allocated before the step
+            step()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated(device) - base
+        else:  # live tensor storages created by the step (system.peak_new_bytes), the gradients included
+            peak = peak_new_bytes(step)
+        t = timeit(step, device, warmup=1, min_time=args.min_time, max_iters=10)
+        print(f"{name:<24} {peak / 2**20:>10,.0f} {t * 1e3:>9.1f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -381,10 +419,16 @@ def main(argv=None):
     ad.add_argument("--taus", type=float, nargs="+", default=None, help="exit thresholds (default: adaptive.TAUS)")
     ad.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     ad.add_argument("--out", default=None, help="write the results as JSON to this path")
+    lo = sub.add_parser("loss", help="chunked linear + cross-entropy vs fp32 logits: peak memory and time")
+    lo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    lo.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch (the 60m preset: 32 x 1024)")
+    lo.add_argument("--d-model", type=int, default=768)
+    lo.add_argument("--vocab", type=int, default=32128)
+    lo.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: 2^27 logits / vocab)")
+    lo.add_argument("--min-time", type=float, default=1.0)
     args = p.parse_args(argv)
     {"attention": bench_attention, "train": bench_train, "generate": bench_generate, "alrs": bench_alrs, "moe": bench_moe,
-     "gpu": bench_gpu, "data": bench_data,
-     "adaptive": bench_adaptive}[args.what](args)
+     "gpu": bench_gpu, "data": bench_data, "loss": bench_loss, "adaptive": bench_adaptive}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ class TrainConfig:
     # evaluation and checkpoints (a checkpoint is written at every eval)
     eval_interval: int = 250  # steps between validation evaluations, each followed by a checkpoint
     eval_batches: int = 8  # fixed val batches of global_batch sequences, the same for any micro_batch or world size
+    log_interval: int = 10  # (ours) steps between reads of the loss from the GPU; every step still gets its row
     # system
     out_dir: str = "out"  # folder for checkpoints, metrics.jsonl and plots
     device: str = "auto"  # where to train: auto picks cuda, then mps (Apple silicon), then cpu
@@ -73,7 +74,7 @@ class TrainConfig:
     dec_lr_mult: float | None = None  # Table 4b's baseline instead of ALRS: one LR multiplier for all decoder matrices; None -> off
 
     def __post_init__(self):
-        for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "ddp_timeout_s", "max_skips"):
+        for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "log_interval", "ddp_timeout_s", "max_skips"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("micro_batch", "tokens", "max_steps", "stop_step", "bpe_vocab", "max_data_tokens", "keep_every", "data_workers"):
@@ -141,7 +142,7 @@ TRAIN_PRESETS = {
 # (not keep_every: resuming without it would delete the checkpoints it kept)
 RESUME_MAY_CHANGE = {"out_dir", "device", "compile", "compile_backend", "stop_step", "quiet", "resume", "eval_interval", "eval_batches",
                      "micro_batch", "ddp_timeout_s", "data_cache", "skip_nonfinite", "max_skips", "wandb", "wandb_project",
-                     "wandb_run_name", "data_workers"}
+                     "wandb_run_name", "data_workers", "log_interval"}
 
 
 def check_range(name: str, v, interval: str, example: str, note: str = "", error=ConfigError):

@@ -88,8 +88,9 @@ def joint_attention_impl(device_type: str, device_index: int, dtype: torch.dtype
 
 
 def attention_dtype(*tensors) -> torch.dtype:
-    """The dtype the fused kernels get: autocast's when it is on (QKNorm and RoPE may hand over fp32
-    q/k next to bf16 v), else the inputs' own."""
+    """The dtype the fused kernels get: autocast's when it is on, else the inputs' own. The model already
+    hands q, k and v over in it (RMSNorm returns its input's dtype, Global KV is cast once per forward), so
+    joint attention's cast to it is then free; a caller mixing fp32 and bf16 still gets one dtype."""
     device_type = tensors[0].device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)

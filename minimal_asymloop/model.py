@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from minimal_asymloop import generate as generation
 from minimal_asymloop import kernels
+from minimal_asymloop.loss import linear_cross_entropy
 
 ARCHS = ("dense", "full_loop", "asymloop")
 CONTEXTS = ("global_kv", "additive", "none")
@@ -167,11 +168,13 @@ class ModelConfig:
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm whose scale follows the input's dtype. Under bf16 autocast QKNorm (and OLMo-2's output
-    norms) see bf16 activations; an fp32 scale would push them off the fused kernel and out in fp32."""
+    """nn.RMSNorm computed in fp32 and returned in its input's dtype, with or without autocast.
+
+    CUDA autocast has an fp32 rule for rms_norm (CPU autocast has none), so a plain nn.RMSNorm hands bf16
+    input back in fp32 on a GPU only: QKNorm's q and k would then reach RoPE and attention in fp32."""
 
     def forward(self, x):
-        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -477,9 +480,12 @@ class LoopedLM(nn.Module):
         self.rope.reset_parameters()
 
     def global_kv(self, h, start: int = 0, cache=None):
-        """Per decoder layer (K_glob, V_glob) from the encoder output H, computed once per forward."""
+        """Per decoder layer (K_glob, V_glob) from the encoder output H, computed once per forward and cast
+        once to the dtype joint attention runs in, so no iteration casts them again."""
         h_norm = self.enc_norm(h)
         kv = [blk.attn.global_kv(h_norm, self.rope, start) for blk in self.decoder]
+        dtype = kernels.attention_dtype(h_norm)  # autocast's dtype when it is on, else the activations'
+        kv = [(k.to(dtype), v.to(dtype)) for k, v in kv]
         if cache is not None:  # generation: appended once per new token, shared by all K iterations
             kv = [cache.layer("global", i).append(*kv_i) for i, kv_i in enumerate(kv)]
         return kv
@@ -531,16 +537,19 @@ class LoopedLM(nn.Module):
     def logits(self, z):
         return self.head(self.norm(z))  # (B, N, V)
 
-    def forward(self, idx, targets=None, n_iter: int | None = None):
-        """(logits, loss). With MoE, loss adds the routers' aux losses in training mode only,
-        so in eval mode it is the plain cross-entropy (validation excludes them)."""
+    def forward(self, idx, targets=None, n_iter: int | None = None, return_logits: bool = True):
+        """(logits, loss). The loss (with targets; -1 ignored) comes from the final norm's output through
+        `linear_cross_entropy`, which never holds all the fp32 logits; return_logits=False (training and
+        validation) skips the logits too, and returns (None, loss). With MoE, loss adds the routers' aux
+        losses in training mode only, so in eval mode it is the plain cross-entropy (validation excludes them)."""
         moe = self.moe_layers()
         for m in moe.values():
             m.reset_stats()
-        logits = self.logits(self.states(idx, n_iter)[-1])
+        h = self.norm(self.states(idx, n_iter)[-1])  # (B, N, d)
+        logits = self.head(h) if return_logits or targets is None else None  # (B, N, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+            loss = linear_cross_entropy(h, self.head.weight, targets)
             if moe and self.training:
                 loss = loss + sum(self.moe_aux_losses().values())
         return logits, loss
@@ -562,14 +571,14 @@ class LoopedLM(nn.Module):
                 "moe_z_loss": cfg.moe_z_weight * sum(m.z_sum for m in moe) / calls}
 
     @torch.no_grad()
-    def moe_load_entropy(self) -> dict[str, float]:
-        """Entropy (nats) of each MoE layer's expert load in the last forward, summed over its iterations:
-        log(moe_experts) = perfectly balanced, 0 = every token on one expert."""
+    def moe_load_entropy(self) -> dict[str, torch.Tensor]:
+        """Entropy (nats, a 0-dim tensor on the model's device) of each MoE layer's expert load in the last forward,
+        summed over its iterations: log(moe_experts) = perfectly balanced, 0 = every token on one expert."""
         out = {}
         for name, m in self.moe_layers().items():
             if m.n_calls:
                 share = m.load.float() / m.load.sum()
-                out[f"moe_load_entropy/{name.removesuffix('.mlp')}"] = torch.special.entr(share).sum().item()
+                out[f"moe_load_entropy/{name.removesuffix('.mlp')}"] = torch.special.entr(share).sum()
         return out
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import sys
+import sysconfig
 import threading
 import time
+import weakref
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class ConfigError(ValueError):
@@ -104,6 +109,36 @@ def timeit(fn, device, warmup=2, min_time=1.0, max_iters=50):
         sync()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Bytes of the tensor storages created inside the mode that are still alive, and their peak. A storage dies when
+    its last tensor does, including the tensors autograd saves for backward, so this is what an allocator holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.seen = 0, 0, set()
+
+    def _freed(self, key, nbytes):
+        self.live -= nbytes
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (key := id(s := t.untyped_storage())) not in self.seen:
+                self.seen.add(key)
+                self.live += s.nbytes()
+                weakref.finalize(s, self._freed, key, s.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def peak_new_bytes(fn) -> int:
+    """Peak bytes of the tensors fn() creates (on any device, CPU included) on top of those that exist before it."""
+    with _LiveStorages() as mode:
+        fn()
+    return mode.peak
 
 
 def wandb_module(cfg):
@@ -220,6 +255,42 @@ def check_out_dir(out_dir: Path):
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"cannot write to --out-dir {out_dir} ({e.strerror or e}); choose a writable --out-dir") from None
+
+
+# ----------------------------------------------------------------------------- can torch.compile build here?
+
+
+def triton_c_compiler() -> str | None:
+    """The C compiler Triton builds its kernel launchers with, as triton/runtime/build.py finds it: $CC if set,
+    else gcc, else clang on PATH. None: there is none."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("gcc") or shutil.which("clang")
+
+
+def python_include_dir() -> Path:
+    """Where Triton looks for Python.h: sysconfig's include path (Debian's posix_local scheme read as posix_prefix)."""
+    scheme = sysconfig.get_default_scheme()
+    return Path(sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"])
+
+
+def compile_preflight() -> str | None:
+    """Why torch.compile's CUDA backend (inductor, through Triton) cannot build kernels on this machine, or None when it
+    can. Triton compiles a small C launcher per kernel, with a C compiler and the Python headers; slim GPU images
+    often have neither, and without this check the first compiled step would fail minutes into a run."""
+    missing = []
+    if triton_c_compiler() is None:
+        cc = os.environ.get("CC")
+        missing.append(f"no C compiler ({f'$CC={cc} is not on PATH' if cc else 'no gcc or clang on PATH'})")
+    if not (python_include_dir() / "Python.h").exists():
+        missing.append(f"no Python headers (no Python.h in {python_include_dir()})")
+    if not missing:
+        return None
+    dev = f"python{sys.version_info.major}.{sys.version_info.minor}-dev"
+    return (f"torch.compile cannot build GPU kernels here: {' and '.join(missing)}; install them (Debian/Ubuntu: "
+            f"`apt-get install build-essential python3-dev`, or {dev} for a Python that is not the system's; conda: "
+            f"`conda install -c conda-forge gcc`), or run with --compile false")
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -9,12 +9,12 @@ import json
 import math
 import os
 import time
+import warnings
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -23,8 +23,9 @@ from tqdm import tqdm
 from minimal_asymloop import alrs
 from minimal_asymloop import checkpoint as ckpt
 from minimal_asymloop.config import RESUME_MAY_CHANGE, TRAIN_PRESETS, TrainConfig  # noqa: F401 (TRAIN_PRESETS re-exported)
-from minimal_asymloop.data import SHARD_TOKENS, BatchSampler, Tokens, eval_windows, prepare
+from minimal_asymloop.data import SHARD_TOKENS, BatchSampler, prepare
 from minimal_asymloop.flops import count_params, flops_per_token
+from minimal_asymloop.loss import compute_loss, evaluate_loss  # noqa: F401 (re-exported)
 from minimal_asymloop.metrics import log_metrics, plot_metrics, plot_stable_rank, read_metrics, trim_metrics  # noqa: F401 (re-exported)
 from minimal_asymloop.model import LoopedLM, ModelConfig
 from minimal_asymloop.optim import lr_at, make_alrs, param_groups  # noqa: F401 (re-exported)
@@ -35,12 +36,12 @@ from minimal_asymloop.system import (  # noqa: F401 (gpu_peak_flops: re-exported
     DistributedError,
     autocast_context,
     check_out_dir,
+    compile_preflight,
     gpu_peak_flops,
     grad_scaler,
     lost_ranks_error,
     mps_error,
     peak_flops_or_reason,
-    rank_and_world,
     resolve_device,
     stop_on_signals,
     synchronize,
@@ -56,50 +57,6 @@ NAN_ENV = "MINIMAL_ASYMLOOP_NAN_STEPS"  # test hook: comma-separated steps (1-ba
 
 
 # ----------------------------------------------------------------------------- loss, evaluation, metrics
-
-
-def _unwrap(model) -> LoopedLM:
-    model = getattr(model, "module", model)  # DDP
-    return getattr(model, "_orig_mod", model)  # torch.compile
-
-
-def compute_loss(model, x, y):
-    """The one place a batch becomes a loss. Returns (loss to backprop, LM cross-entropy, aux dict).
-
-    With MoE FFNs the model's loss already includes its routers' weighted aux losses in training mode
-    (LoopedLM.forward); aux holds them by name for the log, and the cross-entropy is the loss without them.
-    """
-    _, loss = model(x, y)
-    raw = _unwrap(model)
-    aux = raw.moe_aux_losses() if raw.training else {}
-    return loss, (loss - sum(aux.values()) if aux else loss), aux
-
-
-@torch.no_grad()
-def evaluate_loss(model, tokens: Tokens, seq_len: int, batch_size: int, n_batches: int, device="cpu",
-                  dtype: torch.dtype = torch.float32, micro_batch: int | None = None) -> float:
-    """Mean cross-entropy (nats/token) over n_batches x batch_size fixed windows spread evenly over `tokens`.
-
-    The windows depend only on (tokens, seq_len, batch_size, n_batches); they are run in chunks of
-    micro_batch, and under DDP each rank takes every world_size-th chunk and the sums are all-reduced.
-    """
-    rank, world = rank_and_world()
-    starts = eval_windows(tokens, seq_len, n_batches * batch_size)
-    chunk = micro_batch or batch_size
-    acc = torch.float32 if torch.device(device).type == "mps" else torch.float64  # MPS has no float64
-    totals = torch.zeros(2, device=device, dtype=acc)  # (sum of per-window losses, windows)
-    was_training = model.training
-    model.eval()
-    for c in range(rank, math.ceil(len(starts) / chunk), world):
-        w = np.stack([tokens.window(int(s), seq_len + 1) for s in starts[c * chunk:(c + 1) * chunk]])
-        w = torch.from_numpy(w).to(device)  # (B, T+1)
-        with autocast_context(device, dtype):
-            _, ce, _ = compute_loss(model, w[:, :-1], w[:, 1:])
-        totals += torch.stack([ce.to(acc) * len(w), torch.tensor(float(len(w)), device=device, dtype=acc)])
-    model.train(was_training)
-    if world > 1:
-        dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
 
 
 # ----------------------------------------------------------------------------- data and resume checks
@@ -232,6 +189,11 @@ class Run:
     skipped_in_row: int = 0
     scaler: torch.amp.GradScaler = None  # fp16's loss scaler; disabled (a pass-through) for bf16 and fp32
     overflow_skipped: int = 0  # fp16 steps the scaler skipped because the gradients overflowed, all told
+    first_step: int = 0  # the step this process started at (0, or where it resumed)
+    pending: list = field(default_factory=list)  # (step, lr, stats on the device, extra, fp16 loss scale) of the steps not logged yet
+    stat_names: list = field(default_factory=list)  # the names of a pending step's stats[3:]: MoE's aux losses, load entropies
+    t_log: float = 0.0  # when the first pending step started
+    compiled: bool = False  # the step runs torch.compile'd (compile_and_wrap decides)
 
     @property
     def master(self) -> bool:
@@ -255,7 +217,7 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
         raise ConfigError(f"the {cfg.tokenizer} tokenizer has {data.vocab_size} tokens but the model's vocab_size is "
                           f"{model_cfg.vocab_size}; set --vocab-size {data.vocab_size} or more (the paper pads T5's 32100 to 32128)")
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.ddp_timeout_s))
+        init_process_group(device, cfg.ddp_timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # TF32 matmuls
@@ -266,8 +228,8 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
     if lr_hook is None:
         lr_hook = make_alrs(cfg, model_cfg.arch)
     per_matrix = bool(getattr(lr_hook, "per_matrix", False))
-    optimizer = torch.optim.AdamW(param_groups(raw, cfg.weight_decay, per_matrix), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                  fused=device.type == "cuda")
+    # fused: one kernel per step, and it can skip a non-finite step on the device (optimizer_step)
+    optimizer = torch.optim.AdamW(param_groups(raw, cfg.weight_decay, per_matrix), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
     run = Run(model_cfg, cfg, rank, world, device, dtype, micro, cfg.global_batch // (micro * world), data, raw, optimizer, lr_hook,
               Path(cfg.out_dir), tqdm.write if rank == 0 and not cfg.quiet else (lambda *a, **k: None), scaler=grad_scaler(device, dtype))
     if run.master:
@@ -279,6 +241,7 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
             run.say(f"note: starting fresh in {run.out_dir}; its old checkpoints will be replaced (use --resume to continue them)")
         (run.out_dir / "metrics.jsonl").write_text("")
 
+    run.first_step = run.step
     run.model = compile_and_wrap(run)
     run.stop_at = min(cfg.total_steps(), cfg.stop_step or cfg.total_steps())
     run.sampler = BatchSampler(data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
@@ -302,8 +265,8 @@ def resume(run: Run):
                           f"pass a --stop-step in {state['step'] + 1}..{run.cfg.total_steps()}, or drop it")
     ckpt.load_weights(run.raw, Path(meta["path"]), meta)
     run.optimizer.load_state_dict(state["optimizer"])
-    for g in run.optimizer.param_groups:  # the device may have changed since the save
-        g["fused"], g["foreach"] = (True, None) if run.device.type == "cuda" else (None, None)
+    for g in run.optimizer.param_groups:  # the checkpoint may come from another device, or an unfused optimizer
+        g["fused"], g["foreach"] = True, None
     if (state.get("lr_hook") is None) != (run.lr_hook is None):
         raise ConfigError(f"cannot resume from {meta['path']}: it was trained {'with' if run.lr_hook is None else 'without'} an LR hook "
                           f"(ALRS); resume with the same setting")
@@ -345,17 +308,36 @@ def compile_and_wrap(run: Run) -> torch.nn.Module:
     DDP's forward marks itself active, so dynamo compiles the inner model with DDPOptimizer, which splits the graph at
     gradient-bucket boundaries and so overlaps the all-reduce with backward. Evaluation runs `run.raw`, eagerly."""
     model = run.raw
-    if compile_on(run.cfg, run.device):
+    run.compiled = compile_on(run.cfg, run.device)
+    if run.compiled:
         if run.cfg.compile_backend not in (known := torch.compiler.list_backends(exclude_tags=())):
             raise ConfigError(f"unknown compile_backend {run.cfg.compile_backend!r}; choose one of {', '.join(known)} (default inductor)")
+        if run.device.type == "cuda" and run.cfg.compile_backend == "inductor" and (why := compile_preflight()):
+            if run.cfg.compile:  # asked for explicitly: stop now, not at the first step
+                raise ConfigError(why)
+            warnings.warn(f"WARNING: training EAGER, several times slower: {why}", RuntimeWarning, stacklevel=2)
+            run.say(f"WARNING: training EAGER, several times slower: {why}")
+            run.compiled = False
+    if run.compiled:
         model = torch.compile(model, backend=run.cfg.compile_backend)
     if run.world > 1:
-        model = DDP(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+        # the RoPE tables are the only buffers and never change: no broadcast before each forward; gradients live in
+        # DDP's all-reduce buckets, saving a copy per step
+        model = DDP(model, device_ids=[run.device.index] if run.device.type == "cuda" else None, broadcast_buffers=False,
+                    gradient_as_bucket_view=True)
     return model
 
 
 def compile_on(cfg: TrainConfig, device: torch.device) -> bool:
     return cfg.compile if cfg.compile is not None else device.type == "cuda"  # auto: on for CUDA, off for CPU (ours)
+
+
+def init_process_group(device: torch.device, timeout_s: int):
+    """NCCL on CUDA, bound to this rank's GPU (device_id: NCCL connects at once, not at the first collective), else gloo."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
 
 
 def describe(run: Run):
@@ -367,7 +349,7 @@ def describe(run: Run):
     run.say(f"{tokens_per_step:,} tokens/step (global batch {cfg.global_batch} = micro {run.micro} x accum {run.accum} x world "
             f"{run.world}), {total} steps = {total * tokens_per_step / 1e6:.1f}M tokens ({total * tokens_per_step / n_params:.2f} "
             f"tokens/param); {run.device} {str(run.dtype).removeprefix('torch.')}{' with loss scaling' if run.scaler.is_enabled() else ''}"
-            f"{' compiled' if compile_on(cfg, run.device) else ''}")
+            f"{' compiled' if run.compiled else ''}")
     if isinstance(run.lr_hook, alrs.ALRS):
         run.say(run.lr_hook.describe(run.raw))
     run.say(f"data: {run.data.meta['n_train_tokens']:,} train / {run.data.meta['n_val_tokens']:,} val tokens; "
@@ -378,9 +360,12 @@ def describe(run: Run):
 
 
 def optimizer_step(run: Run, step: int, flag: dict) -> bool:
-    """Set the LR, accumulate gradients over micro-batches, clip, step (or skip a non-finite step), log the row.
-    Returns True when any rank was asked to stop (a signal set `flag` here or on another rank)."""
-    cfg, t0 = run.cfg, time.time()
+    """Set the LR, accumulate gradients over micro-batches, clip, step (the update of a non-finite step is skipped on the
+    device), and queue the step's stats; every log_interval steps (and before a checkpoint) `log_steps` reads them.
+    Nothing here waits for the GPU. Returns True when any rank was asked to stop (a signal set `flag` here or elsewhere)."""
+    cfg = run.cfg
+    if not run.pending:
+        run.t_log = time.time()  # the GPU is idle here: the last log_steps or evaluation waited for it
     extra = run.lr_hook.on_step(step, run.raw, run.optimizer) if run.lr_hook is not None else None
     lr = lr_at(step, cfg)
     for g in run.optimizer.param_groups:
@@ -388,40 +373,67 @@ def optimizer_step(run: Run, step: int, flag: dict) -> bool:
     ce_sum, aux_sum = accumulate_gradients(run, step)
     run.scaler.unscale_(run.optimizer)  # fp16: true gradients before clipping (a no-op for bf16 and fp32)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.grad_clip)
-    # one small all-reduce: mean loss over ranks, and whether any rank was asked to stop
-    stats = torch.stack([ce_sum.float(), torch.tensor(float(bool(flag)), device=run.device), *[v.float() for v in aux_sum.values()]])
+    # one small all-reduce (asynchronous on NCCL): mean loss over ranks, grad norm, and whether any rank was asked to stop
+    stats = torch.stack([ce_sum.float(), grad_norm.float(), torch.full((), float(bool(flag)), device=run.device),
+                         *[v.float() for v in aux_sum.values()]])
     if run.world > 1:
         dist.all_reduce(stats)
-        stats /= run.world  # stats[1] > 0 still means "some rank got a signal"
-    loss_val, stop, gn = stats[0].item(), stats[1].item() > 0, grad_norm.item()
-    scale = run.scaler.get_scale() if run.scaler.is_enabled() else None  # fp16: the loss scale this step ran at
-    if math.isfinite(loss_val) and math.isfinite(gn):
-        run.scaler.step(run.optimizer)  # = optimizer.step(); fp16: it saw the finite gradients in unscale_ above
-        run.skipped_in_row = 0
-    elif math.isfinite(loss_val) and scale is not None and scale >= 1:
-        overflow_skip(run, step, scale)  # fp16 gradients overflowed at this scale: skipped, the scaler lowers it (ours: scale >= 1)
-    else:
-        skip_or_stop(run, step, loss_val, gn)  # drops this step's update (the LR schedule and data order move on)
-    run.scaler.update()
+        stats /= run.world  # stats[2] > 0 still means "some rank got a signal"; grad norms are equal on every rank
+    if run.scaler.is_enabled():  # fp16: the scaler skips an overflowed update (found_inf from unscale_) and lowers the scale
+        scale = run.scaler.get_scale()  # the loss scale this step ran at (a host read each step: fp16 GPUs only)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:  # the fused AdamW skips its whole update (moments and step count too) where found_inf is 1, on the device (ours)
+        scale = None
+        run.optimizer.found_inf = (~torch.isfinite(stats[:2]).all()).float()
+        run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    synchronize(run.device)
-    dt, tokens_per_step = time.time() - t0, cfg.global_batch * cfg.seq_len
-    row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn, tok_per_s=tokens_per_step / dt,
-               step_s=dt)
-    row.update({k: v.item() for k, v in zip(aux_sum, stats[2:])})
-    if run.skipped:
-        row["nonfinite_skipped"] = run.skipped
-    if scale is not None:
-        row.update(loss_scale=scale, overflow_skipped=run.overflow_skipped)
-    row.update(run.raw.moe_load_entropy())  # MoE: per-layer expert-load entropy, last micro-batch of rank 0
-    if run.peak_flops:
-        row["mfu"] = 3 * flops_per_token(run.model_cfg, cfg.seq_len)["total"] * tokens_per_step / dt / (run.peak_flops * run.world)
-    row.update(extra or {})
-    log_metrics(run.out_dir, row, run.wandb)
-    run.bar.update(1)
-    run.bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{row['tok_per_s']:,.0f}", refresh=False)
+    entropy = run.raw.moe_load_entropy()  # MoE: per-layer expert-load entropy, last micro-batch of this rank
+    run.stat_names = [*aux_sum, *entropy]  # the names of stats[3:]
+    run.pending.append((step, lr, torch.cat([stats, *[e.float().view(1) for e in entropy.values()]]), extra, scale))
     run.step = step + 1
+    stop = run.world == 1 and bool(flag)  # one process reads its own flag; ranks agree on theirs at the next log
+    if stop or run.step == run.first_step + 1 or run.step % cfg.log_interval == 0 or checkpoint_due(run, run.step):
+        stop = log_steps(run) or stop
     return stop
+
+
+def log_steps(run: Run) -> bool:
+    """Read the queued steps' stats from the device (the one host sync of a logging interval) and log a row for each:
+    a non-finite step stops the run or is counted as skipped here (skip_or_stop). Returns whether some rank asked to stop."""
+    cfg, tokens_per_step = run.cfg, run.cfg.global_batch * run.cfg.seq_len
+    values = torch.stack([stats for _, _, stats, _, _ in run.pending]).tolist()
+    dt = (time.time() - run.t_log) / len(run.pending)  # step time: the interval's mean
+    stop = False
+    for (step, lr, _, extra, scale), (loss_val, gn, stop_flag, *aux) in zip(run.pending, values):  # aux: MoE aux losses, entropies
+        stop = stop or stop_flag > 0
+        if math.isfinite(loss_val) and math.isfinite(gn):
+            run.skipped_in_row = 0
+        elif math.isfinite(loss_val) and scale is not None and scale >= 1:
+            overflow_skip(run, step, scale)  # fp16 gradients overflowed at this scale: skipped, the scaler lowered it (ours: scale >= 1)
+        else:
+            skip_or_stop(run, step, loss_val, gn)  # its update was not applied (the LR schedule and data order moved on)
+        row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn, tok_per_s=tokens_per_step / dt,
+                   step_s=dt)
+        row.update(zip(run.stat_names, aux))
+        if run.skipped:
+            row["nonfinite_skipped"] = run.skipped
+        if scale is not None:
+            row.update(loss_scale=scale, overflow_skipped=run.overflow_skipped)
+        if run.peak_flops:
+            row["mfu"] = 3 * flops_per_token(run.model_cfg, cfg.seq_len)["total"] * tokens_per_step / dt / (run.peak_flops * run.world)
+        row.update(extra or {})
+        log_metrics(run.out_dir, row, run.wandb)
+    run.bar.update(len(run.pending))
+    run.bar.set_postfix(loss=f"{values[-1][0]:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+    run.pending = []
+    return stop
+
+
+def checkpoint_due(run: Run, done: int) -> bool:
+    """Whether evaluate_and_checkpoint writes a checkpoint after `done` steps without a stop (a stop always writes one)."""
+    cfg = run.cfg
+    return done % cfg.eval_interval == 0 or done in (cfg.total_steps(), run.stop_at) or bool(cfg.keep_every and done % cfg.keep_every == 0)
 
 
 def accumulate_gradients(run: Run, step: int) -> tuple[torch.Tensor, dict]:
@@ -429,7 +441,7 @@ def accumulate_gradients(run: Run, step: int) -> tuple[torch.Tensor, dict]:
     ce_sum, aux_sum, nan_steps = torch.zeros((), device=run.device), {}, _nan_steps()
     for m in range(run.accum):
         first = run.rank * run.micro * run.accum + m * run.micro  # this rank's rows of the global batch
-        x, y = (torch.from_numpy(a).to(run.device, non_blocking=True) for a in run.sampler.batch(step, slice(first, first + run.micro)))
+        x, y = run.sampler.batch_on(step, slice(first, first + run.micro), run.device)  # pinned, non-blocking on CUDA
         # DDP: all-reduce gradients only on the last micro-step
         with nullcontext() if run.world == 1 or m == run.accum - 1 else run.model.no_sync():
             with autocast_context(run.device, run.dtype):
@@ -444,7 +456,7 @@ def accumulate_gradients(run: Run, step: int) -> tuple[torch.Tensor, dict]:
 
 
 def overflow_skip(run: Run, step: int, scale: float):
-    """fp16: the gradients overflowed at this loss scale. The scaler skipped the update and halves the scale; counted and
+    """fp16: the gradients overflowed at this loss scale. The scaler skipped the update and halved the scale; counted and
     said, apart from --skip-nonfinite's count. Below scale 1 an overflow is the gradient's own: skip_or_stop handles it."""
     run.overflow_skipped += 1
     run.say(f"step {step + 1}: fp16 gradients overflowed at loss scale {scale:g}; step skipped, scale halved "
@@ -485,7 +497,7 @@ def evaluate_and_checkpoint(run: Run, stop: bool):
         run.say(f"step {done}: val loss {run.val_loss:.4f} (ppl {math.exp(run.val_loss):.1f}), unigram entropy "
                 f"{run.data.unigram_entropy:.3f}")
         save(run, run.val_loss, improved)
-    elif stop or done == run.stop_at or (cfg.keep_every and done % cfg.keep_every == 0):
+    elif stop or checkpoint_due(run, done):
         save(run, None, False)
 
 

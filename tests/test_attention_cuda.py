@@ -42,6 +42,14 @@ def inputs(shape, dtype, device="cpu", seed=0):
     return [torch.randn(*shape, generator=g, dtype=torch.float64).to(device, dtype).requires_grad_() for _ in range(5)]
 
 
+def recording_dtypes(fn, calls):
+    """fn, appending the dtypes of its tensor arguments to `calls` at each call."""
+    def wrapped(*ts):
+        calls.append(tuple(t.dtype for t in ts))
+        return fn(*ts)
+    return wrapped
+
+
 def forward_backward(fn, xs, d_out):
     out = fn(*xs)
     grads = torch.autograd.grad(out, xs, d_out)
@@ -245,15 +253,8 @@ def test_bf16_autocast_has_no_fallback_warning_and_one_attention_dtype(monkeypat
     """A bf16 autocast forward+backward raises no warning (an fp32 RMSNorm scale on bf16 input used to fall back
     from the fused kernel with a UserWarning), and q, k, v reach every attention call in bf16."""
     seen = []
-
-    def record(fn):
-        def wrapped(*ts):
-            seen.append(tuple(t.dtype for t in ts))
-            return fn(*ts)
-        return wrapped
-
-    monkeypatch.setattr(M, "joint_attention", record(M.joint_attention))
-    monkeypatch.setattr(M, "causal_attention", record(M.causal_attention))
+    monkeypatch.setattr(M, "joint_attention", recording_dtypes(M.joint_attention, seen))
+    monkeypatch.setattr(M, "causal_attention", recording_dtypes(M.causal_attention, seen))
     cfg = M.ModelConfig.from_preset("tiny", arch, n_layer=2, d_model=64, n_head=2, d_ff=64, vocab_size=128,
                                     max_seq_len=32, backbone=backbone)
     model = M.LoopedLM(cfg)
@@ -265,3 +266,50 @@ def test_bf16_autocast_has_no_fallback_warning_and_one_attention_dtype(monkeypat
         loss.backward()
     assert seen and {d for call in seen for d in call} == {torch.bfloat16}
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- dtypes under CUDA autocast, traced
+
+
+def test_fake_cuda_rmsnorm_returns_its_input_dtype(fake_cuda_autocast):
+    """CUDA autocast runs F.rms_norm in fp32 (an fp32 rule that CPU autocast lacks); the model's RMSNorm still
+    returns bf16 for bf16 input, and fp32 for fp32 input."""
+    norm = M.RMSNorm(16)
+    weight = {"weight": torch.ones(16, device="cuda")}
+    x = torch.randn(2, 16, device="cuda", dtype=torch.bfloat16)
+    assert torch.nn.functional.rms_norm(x, (16,), weight["weight"]).dtype == torch.float32  # the autocast rule
+    assert torch.func.functional_call(norm, weight, (x,)).dtype == torch.bfloat16
+    assert torch.func.functional_call(norm, weight, (x.float(),)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("arch, backbone", [("asymloop", "llama"), ("asymloop", "olmo2"), ("full_loop", "llama")])
+def test_fake_cuda_autocast_dtypes_at_every_attention_call_and_norm(fake_cuda_autocast, monkeypatch, arch, backbone):
+    """A whole forward on (fake) CUDA under bf16 autocast: q, k, v reach every attention call in bf16; every RMSNorm
+    returns its input's dtype, so QKNorm's are bf16; each decoder layer's Global K and V are cast once per forward
+    (the same tensors reach the kernel at every iteration); the loss is fp32."""
+    attention_calls, norms = [], []
+    monkeypatch.setattr(M, "joint_attention", recording_dtypes(M.joint_attention, attention_calls))
+    monkeypatch.setattr(M, "causal_attention", recording_dtypes(M.causal_attention, attention_calls))
+    cfg = M.ModelConfig.from_preset("tiny", arch, n_layer=2, d_model=64, n_head=2, d_ff=64, vocab_size=128, max_seq_len=32,
+                                    backbone=backbone)
+    with torch.device("meta"):
+        model = M.LoopedLM(cfg)
+    for name, m in model.named_modules():
+        if isinstance(m, M.RMSNorm):
+            m.register_forward_hook(lambda m, args, out, name=name: norms.append((name, args[0].dtype, out.dtype)))
+    state = {n: torch.empty(t.shape, device="cuda") for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    idx = torch.zeros(2, 32, dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        _, loss = torch.func.functional_call(model, state, (idx, idx))
+    assert loss.dtype == torch.float32
+    n_attn = cfg.effective_depth
+    assert len(attention_calls) == n_attn and {d for call in attention_calls for d in call} == {torch.bfloat16}
+    assert norms and all(d_in == d_out for _, d_in, d_out in norms), [n for n in norms if n[1] != n[2]]
+    qk = [(name, d_out) for name, _, d_out in norms if name.endswith(("q_norm", "k_norm", "k_glob_norm"))]
+    assert {d for _, d in qk} == ({torch.bfloat16} if cfg.qk_norm else set())
+    if arch == "asymloop":
+        glob = [ts[1:3] for kind, ts in fake_cuda_autocast if kind == "fwd"][::2]  # (k, v) of each layer's Global call
+        for layer in range(cfg.n_dec):
+            per_iter = glob[layer::cfg.n_dec]
+            assert len(per_iter) == cfg.n_iter
+            assert all(k is per_iter[0][0] and v is per_iter[0][1] for k, v in per_iter), f"decoder {layer}: Global KV recast"
