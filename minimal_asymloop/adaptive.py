@@ -144,8 +144,8 @@ def bench(args):
                   f"{r['flops_vs_max']:>14.3f}{extra}")
 
     if args.ckpt and args.ckpt != "none":
+        from minimal_asymloop.batches import eval_windows
         from minimal_asymloop.checkpoint import CheckpointError, load_model
-        from minimal_asymloop.data import eval_windows
         from minimal_asymloop.evaluate import held_out_tokens
 
         if not Path(args.ckpt).exists() and "/" in args.ckpt and args.ckpt.startswith("out"):

@@ -21,6 +21,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -29,8 +30,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from minimal_asymloop.config import RESUME_MAY_CHANGE
 from minimal_asymloop.model import LoopedLM, ModelConfig
 from minimal_asymloop.runfolder import after_write_failure, os_error_line, why_and_fix
+from minimal_asymloop.system import ConfigError
 
 FORMAT_VERSION = 1
 DELAY_ENV = "MINIMAL_ASYMLOOP_CKPT_DELAY"  # test hook: seconds to sleep after each file and before the link moves
@@ -402,3 +405,16 @@ def download(repo: str) -> Path:
         why = offline or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         raise CheckpointError(f"cannot load {repo}: {why}, and it is not in the local Hugging Face cache; run once with the "
                               f"Hub reachable, or pass a local folder (an export or a run's out_dir)") from None
+
+
+def check_resume(meta: dict, model_cfg: ModelConfig, cfg, data_meta: dict):
+    """Refuse a resume whose model, training settings (but those RESUME_MAY_CHANGE) or data differ from the checkpoint's."""
+    diffs = [f"{k}: {v!r} -> {model_cfg.to_dict().get(k)!r}" for k, v in meta["model_config"].items() if model_cfg.to_dict().get(k) != v]
+    now = asdict(cfg)
+    diffs += [f"{k}: {v!r} -> {now.get(k)!r}" for k, v in meta["train_config"].items()
+              if k not in RESUME_MAY_CHANGE and now.get(k) != v]
+    if meta.get("data", {}).get("identity") != data_meta["identity"]:
+        diffs.append(f"data: {meta.get('data', {}).get('identity')} -> {data_meta['identity']}")
+    if diffs:
+        raise ConfigError(f"cannot resume from {meta['path']}: the config differs from the checkpoint's ({'; '.join(diffs)}); "
+                          f"resume with the same settings, or start a fresh run with a new --out-dir")

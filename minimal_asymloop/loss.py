@@ -12,7 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from minimal_asymloop.data import Tokens, eval_windows
+from minimal_asymloop.batches import eval_windows
+from minimal_asymloop.data import Tokens
 from minimal_asymloop.system import autocast_context, rank_and_world
 
 IGNORE = -1  # target id that counts for nothing (prompts in fine-tuning and tasks)

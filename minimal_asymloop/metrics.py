@@ -1,11 +1,18 @@
 """Metrics: every logged figure goes to out_dir/metrics.jsonl (and to Weights & Biases when asked), and the
-plots drawn from it after a run (loss.png, srank.png). Plots are bare matplotlib Figures: no pyplot state."""
+plots drawn from it after a run (loss.png, srank.png). Plots are bare matplotlib Figures: no pyplot state.
+The training steps' rows are made here too (log_steps): each queued step's stats read from the device at once, a
+non-finite step stopped or skipped, an fp16 overflow counted."""
 
 import errno
 import json
+import math
 import os
+import time
 from pathlib import Path
 
+import torch
+
+from minimal_asymloop.flops import flops_per_token
 from minimal_asymloop.runfolder import RunFolderError, after_write_failure, why_and_fix
 from minimal_asymloop.system import rank_and_world
 
@@ -133,3 +140,65 @@ def plot_stable_rank(out_dir) -> Path | None:
     path = Path(out_dir) / "srank.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
+
+
+# ----------------------------------------------------------------------------- the training steps' rows
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient became inf/NaN; the run stopped before applying that update."""
+
+
+def log_steps(run) -> bool:
+    """Read the queued steps' stats from the device (the one host sync of a logging interval) and log a row for each:
+    a non-finite step stops the run or is counted as skipped here (skip_or_stop). Returns whether some rank asked to stop."""
+    cfg, tokens_per_step = run.cfg, run.cfg.global_batch * run.cfg.seq_len
+    values = torch.stack([stats for _, _, stats, _, _ in run.pending]).tolist()
+    dt = (time.time() - run.t_log) / len(run.pending)  # step time: the interval's mean
+    stop = False
+    for (step, lr, _, extra, scale), (loss_val, gn, stop_flag, *aux) in zip(run.pending, values):  # aux: MoE aux losses, entropies
+        stop = stop or stop_flag > 0
+        if math.isfinite(loss_val) and math.isfinite(gn):
+            run.skipped_in_row = 0
+        elif math.isfinite(loss_val) and scale is not None and scale >= 1:
+            overflow_skip(run, step, scale)  # fp16 gradients overflowed at this scale: skipped, the scaler lowered it (ours: scale >= 1)
+        else:
+            skip_or_stop(run, step, loss_val, gn)  # its update was not applied (the LR schedule and data order moved on)
+        row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn, tok_per_s=tokens_per_step / dt,
+                   step_s=dt)
+        row.update(zip(run.stat_names, aux))
+        if run.skipped:
+            row["nonfinite_skipped"] = run.skipped
+        if scale is not None:
+            row.update(loss_scale=scale, overflow_skipped=run.overflow_skipped)
+        if run.peak_flops:
+            row["mfu"] = 3 * flops_per_token(run.model_cfg, cfg.seq_len)["total"] * tokens_per_step / dt / (run.peak_flops * run.world)
+        row.update(extra or {})
+        log_metrics(run.out_dir, row, run.wandb)
+    run.bar.update(len(run.pending))
+    run.bar.set_postfix(loss=f"{values[-1][0]:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+    run.pending = []
+    return stop
+
+
+def overflow_skip(run, step: int, scale: float):
+    """fp16: the gradients overflowed at this loss scale. The scaler skipped the update and halved the scale; counted and
+    said, apart from --skip-nonfinite's count. Below scale 1 an overflow is the gradient's own: skip_or_stop handles it."""
+    run.overflow_skipped += 1
+    run.say(f"step {step + 1}: fp16 gradients overflowed at loss scale {scale:g}; step skipped, scale halved "
+            f"({run.overflow_skipped} overflow steps so far)")
+
+
+def skip_or_stop(run, step: int, loss_val: float, gn: float):
+    """A non-finite loss or gradient: stop (the default), or skip the update (--skip-nonfinite, up to max_skips in a row)."""
+    what = "loss" if not math.isfinite(loss_val) else "gradient norm"
+    latest = run.out_dir / "latest"
+    if not run.cfg.skip_nonfinite:
+        raise NonFiniteLossError(f"non-finite {what} at step {step + 1} (loss {loss_val}, grad norm {gn}); stopped before applying it. "
+                                 f"The last good checkpoint is {latest}; try a lower --lr or --dtype float32, or --skip-nonfinite")
+    run.skipped, run.skipped_in_row = run.skipped + 1, run.skipped_in_row + 1
+    if run.skipped_in_row > run.cfg.max_skips:
+        raise NonFiniteLossError(f"non-finite {what} at {run.skipped_in_row} steps in a row, up to step {step + 1}: the run has diverged, "
+                                 f"skipping will not recover it (--max-skips {run.cfg.max_skips}). The last good checkpoint is "
+                                 f"{latest}; try a lower --lr or --dtype float32")
+    run.say(f"step {step + 1}: non-finite loss {loss_val} / grad norm {gn}; step skipped ({run.skipped} skipped so far)")

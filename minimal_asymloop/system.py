@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -295,3 +296,33 @@ def compile_preflight() -> str | None:
 
 def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+# ----------------------------------------------------------------------------- RNG state and the process group
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's RNG: CPU, and the current CUDA device's (not every visible GPU's, so that a checkpoint
+    resumes on any number of GPUs, or on CPU) or MPS's. Every rank seeds alike and draws alike, so rank 0's is every rank's."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                mps=torch.mps.get_rng_state() if device.type == "mps" else None)
+
+
+def restore_rng(rng: dict, device: torch.device):
+    """Set the RNG from rng_state(): the GPU part only on that kind of device (a CPU resume has no GPU generator to set)."""
+    torch.set_rng_state(rng["torch"])
+    cuda = rng.get("cuda")
+    if isinstance(cuda, (list, tuple)):  # older checkpoints: rank 0's state of every visible GPU; rank 0 ran on the first
+        cuda = cuda[0] if cuda else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
+    if rng.get("mps") is not None and device.type == "mps":
+        torch.mps.set_rng_state(rng["mps"])
+
+
+def init_process_group(device: torch.device, timeout_s: int):
+    """NCCL on CUDA, bound to this rank's GPU (device_id: NCCL connects at once, not at the first collective), else gloo."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)

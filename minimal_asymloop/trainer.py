@@ -1,8 +1,9 @@
-"""Training: presets, the loop (one process or DDP under torchrun), evaluation, metrics, resume.
+"""Training: the loop (one process or DDP under torchrun) and its phases: set-up, resume, steps, evaluation, checkpoints.
 
 `train(model_cfg, train_cfg)` is the whole job and works from a notebook; `train_minimal.py` is a
-thin nanoGPT-style command line over it. Settings: the paper's training setup; choices it leaves open are marked (ours).
-Device and dtype, autocast, signals, GPU peaks for MFU and the other plumbing live in system.py.
+thin nanoGPT-style command line over it. The settings and presets are in config.py, the optimizer groups and LR schedule in
+optim.py, the loss in loss.py, the batches in batches.py, each step's logged row in metrics.py, and device and dtype,
+autocast, signals, RNG, GPU peaks for MFU and the other plumbing in system.py.
 """
 
 import json
@@ -12,7 +13,6 @@ import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,15 +22,22 @@ from tqdm import tqdm
 
 from minimal_asymloop import alrs
 from minimal_asymloop import checkpoint as ckpt
+from minimal_asymloop.batches import BatchSampler, data_for_run
 from minimal_asymloop.config import RESUME_MAY_CHANGE, TRAIN_PRESETS, TrainConfig  # noqa: F401 (TRAIN_PRESETS re-exported)
-from minimal_asymloop.data import SHARD_TOKENS, BatchSampler, prepare
 from minimal_asymloop.flops import count_params, flops_per_token
 from minimal_asymloop.loss import compute_loss, evaluate_loss  # noqa: F401 (re-exported)
-from minimal_asymloop.metrics import log_metrics, plot_metrics, plot_stable_rank, read_metrics, trim_metrics  # noqa: F401 (re-exported)
+from minimal_asymloop.metrics import (  # noqa: F401 (re-exported)
+    NonFiniteLossError,
+    log_metrics,
+    log_steps,
+    plot_metrics,
+    plot_stable_rank,
+    read_metrics,
+    trim_metrics,
+)
 from minimal_asymloop.model import LoopedLM, ModelConfig
 from minimal_asymloop.optim import lr_at, make_alrs, param_groups  # noqa: F401 (re-exported)
 from minimal_asymloop.runfolder import hold
-from minimal_asymloop.sources import fineweb_for_budget
 from minimal_asymloop.system import (  # noqa: F401 (gpu_peak_flops: re-exported for tests)
     ConfigError,
     DistributedError,
@@ -39,73 +46,23 @@ from minimal_asymloop.system import (  # noqa: F401 (gpu_peak_flops: re-exported
     compile_preflight,
     gpu_peak_flops,
     grad_scaler,
+    init_process_group,
     lost_ranks_error,
     mps_error,
     peak_flops_or_reason,
     resolve_device,
+    restore_rng,
+    rng_state,
     stop_on_signals,
     synchronize,
     wandb_module,
 )
 
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient became inf/NaN; the run stopped before applying that update."""
-
-
 NAN_ENV = "MINIMAL_ASYMLOOP_NAN_STEPS"  # test hook: comma-separated steps (1-based) whose loss is made NaN
-
-
-# ----------------------------------------------------------------------------- loss, evaluation, metrics
-
-
-# ----------------------------------------------------------------------------- data and resume checks
-
-
-def _data_for(model_cfg: ModelConfig, cfg: TrainConfig, local_rank: int, quiet: bool):
-    """Prepare the data on local rank 0 (before any collective: it can outlast a timeout); other ranks wait for it.
-    Says once, at the start, which FineWeb-Edu sample a large budget needs and how many epochs a budget repeats the data."""
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    budget = cfg.total_steps() * cfg.global_batch * cfg.seq_len
-    source, max_tokens = cfg.data, cfg.max_data_tokens
-    if max_tokens is None and source.startswith("fineweb-edu"):
-        source, note = fineweb_for_budget(source, budget)
-        if note:
-            say(note)
-        # a streamed source is read up to the budget, rounded up to whole shards so short runs share a cache (ours)
-        max_tokens = math.ceil(budget / SHARD_TOKENS) * SHARD_TOKENS
-    kw = dict(source=source, tokenizer=cfg.tokenizer, bpe_vocab=cfg.bpe_vocab or model_cfg.vocab_size, cache_dir=cfg.data_cache,
-              max_tokens=max_tokens, val_fraction=cfg.val_fraction, workers=cfg.data_workers)
-    if local_rank == 0:
-        data = prepare(**kw, quiet=quiet)
-    else:
-        while True:  # torchrun stops this rank if rank 0 fails
-            try:
-                data = prepare(**kw, quiet=True, build=False)
-                break
-            except FileNotFoundError:
-                time.sleep(2)
-    windows, needed = (len(data.train) - 1) // cfg.seq_len, cfg.total_steps() * cfg.global_batch
-    if needed > windows:
-        say(f"note: data repeats: {needed / windows:.2f} epochs (the budget is {needed:,} sequences of {cfg.seq_len} tokens; the train "
-            f"split of {source} holds {windows:,}, {len(data.train):,} tokens), reshuffled each epoch")
-    return data
 
 
 def _nan_steps() -> set[int]:
     return {int(s) for s in os.environ.get(NAN_ENV, "").split(",") if s.strip()}
-
-
-def _check_resume(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, data_meta: dict):
-    diffs = [f"{k}: {v!r} -> {model_cfg.to_dict().get(k)!r}" for k, v in meta["model_config"].items() if model_cfg.to_dict().get(k) != v]
-    now = asdict(cfg)
-    diffs += [f"{k}: {v!r} -> {now.get(k)!r}" for k, v in meta["train_config"].items()
-              if k not in RESUME_MAY_CHANGE and now.get(k) != v]
-    if meta.get("data", {}).get("identity") != data_meta["identity"]:
-        diffs.append(f"data: {meta.get('data', {}).get('identity')} -> {data_meta['identity']}")
-    if diffs:
-        raise ConfigError(f"cannot resume from {meta['path']}: the config differs from the checkpoint's ({'; '.join(diffs)}); "
-                          f"resume with the same settings, or start a fresh run with a new --out-dir")
 
 
 # ----------------------------------------------------------------------------- the training loop
@@ -212,7 +169,7 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}; set --max-seq-len {cfg.seq_len}")
 
-    data = _data_for(model_cfg, cfg, local_rank, quiet=cfg.quiet or rank != 0)
+    data = data_for_run(model_cfg, cfg, local_rank, quiet=cfg.quiet or rank != 0)
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the {cfg.tokenizer} tokenizer has {data.vocab_size} tokens but the model's vocab_size is "
                           f"{model_cfg.vocab_size}; set --vocab-size {data.vocab_size} or more (the paper pads T5's 32100 to 32128)")
@@ -259,7 +216,7 @@ def resume(run: Run):
     """Load weights, optimizer, LR-hook state, RNG and counters from out_dir/latest (or, when it is corrupt, the newest intact
     checkpoint); drop metrics logged after it."""
     meta, state = ckpt.newest_intact(run.out_dir, run.say)  # every file verified; past a corrupt `latest`, said in one line
-    _check_resume(meta, run.model_cfg, run.cfg, run.data.meta)
+    ckpt.check_resume(meta, run.model_cfg, run.cfg, run.data.meta)
     if run.cfg.stop_step is not None and run.cfg.stop_step <= state["step"]:
         raise ConfigError(f"--stop-step {run.cfg.stop_step} is not after the checkpoint's step {state['step']}: nothing to do; "
                           f"pass a --stop-step in {state['step'] + 1}..{run.cfg.total_steps()}, or drop it")
@@ -281,25 +238,6 @@ def resume(run: Run):
     if run.master:
         trim_metrics(run.out_dir, run.step, run.say)
     run.say(f"resumed from {meta['path']} at step {run.step}")
-
-
-def rng_state(device: torch.device) -> dict:
-    """This process's RNG: CPU, and the current CUDA device's (not every visible GPU's, so that a checkpoint
-    resumes on any number of GPUs, or on CPU) or MPS's. Every rank seeds alike and draws alike, so rank 0's is every rank's."""
-    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-                mps=torch.mps.get_rng_state() if device.type == "mps" else None)
-
-
-def restore_rng(rng: dict, device: torch.device):
-    """Set the RNG from rng_state(): the GPU part only on that kind of device (a CPU resume has no GPU generator to set)."""
-    torch.set_rng_state(rng["torch"])
-    cuda = rng.get("cuda")
-    if isinstance(cuda, (list, tuple)):  # older checkpoints: rank 0's state of every visible GPU; rank 0 ran on the first
-        cuda = cuda[0] if cuda else None
-    if cuda is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda, device)
-    if rng.get("mps") is not None and device.type == "mps":
-        torch.mps.set_rng_state(rng["mps"])
 
 
 def compile_and_wrap(run: Run) -> torch.nn.Module:
@@ -330,14 +268,6 @@ def compile_and_wrap(run: Run) -> torch.nn.Module:
 
 def compile_on(cfg: TrainConfig, device: torch.device) -> bool:
     return cfg.compile if cfg.compile is not None else device.type == "cuda"  # auto: on for CUDA, off for CPU (ours)
-
-
-def init_process_group(device: torch.device, timeout_s: int):
-    """NCCL on CUDA, bound to this rank's GPU (device_id: NCCL connects at once, not at the first collective), else gloo."""
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
 
 
 def describe(run: Run):
@@ -398,38 +328,6 @@ def optimizer_step(run: Run, step: int, flag: dict) -> bool:
     return stop
 
 
-def log_steps(run: Run) -> bool:
-    """Read the queued steps' stats from the device (the one host sync of a logging interval) and log a row for each:
-    a non-finite step stops the run or is counted as skipped here (skip_or_stop). Returns whether some rank asked to stop."""
-    cfg, tokens_per_step = run.cfg, run.cfg.global_batch * run.cfg.seq_len
-    values = torch.stack([stats for _, _, stats, _, _ in run.pending]).tolist()
-    dt = (time.time() - run.t_log) / len(run.pending)  # step time: the interval's mean
-    stop = False
-    for (step, lr, _, extra, scale), (loss_val, gn, stop_flag, *aux) in zip(run.pending, values):  # aux: MoE aux losses, entropies
-        stop = stop or stop_flag > 0
-        if math.isfinite(loss_val) and math.isfinite(gn):
-            run.skipped_in_row = 0
-        elif math.isfinite(loss_val) and scale is not None and scale >= 1:
-            overflow_skip(run, step, scale)  # fp16 gradients overflowed at this scale: skipped, the scaler lowered it (ours: scale >= 1)
-        else:
-            skip_or_stop(run, step, loss_val, gn)  # its update was not applied (the LR schedule and data order moved on)
-        row = dict(step=step + 1, tokens=(step + 1) * tokens_per_step, loss=loss_val, lr=lr, grad_norm=gn, tok_per_s=tokens_per_step / dt,
-                   step_s=dt)
-        row.update(zip(run.stat_names, aux))
-        if run.skipped:
-            row["nonfinite_skipped"] = run.skipped
-        if scale is not None:
-            row.update(loss_scale=scale, overflow_skipped=run.overflow_skipped)
-        if run.peak_flops:
-            row["mfu"] = 3 * flops_per_token(run.model_cfg, cfg.seq_len)["total"] * tokens_per_step / dt / (run.peak_flops * run.world)
-        row.update(extra or {})
-        log_metrics(run.out_dir, row, run.wandb)
-    run.bar.update(len(run.pending))
-    run.bar.set_postfix(loss=f"{values[-1][0]:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
-    run.pending = []
-    return stop
-
-
 def checkpoint_due(run: Run, done: int) -> bool:
     """Whether evaluate_and_checkpoint writes a checkpoint after `done` steps without a stop (a stop always writes one)."""
     cfg = run.cfg
@@ -453,29 +351,6 @@ def accumulate_gradients(run: Run, step: int) -> tuple[torch.Tensor, dict]:
         for k, v in aux.items():
             aux_sum[k] = aux_sum.get(k, 0.0) + v.detach() / run.accum
     return ce_sum, aux_sum
-
-
-def overflow_skip(run: Run, step: int, scale: float):
-    """fp16: the gradients overflowed at this loss scale. The scaler skipped the update and halved the scale; counted and
-    said, apart from --skip-nonfinite's count. Below scale 1 an overflow is the gradient's own: skip_or_stop handles it."""
-    run.overflow_skipped += 1
-    run.say(f"step {step + 1}: fp16 gradients overflowed at loss scale {scale:g}; step skipped, scale halved "
-            f"({run.overflow_skipped} overflow steps so far)")
-
-
-def skip_or_stop(run: Run, step: int, loss_val: float, gn: float):
-    """A non-finite loss or gradient: stop (the default), or skip the update (--skip-nonfinite, up to max_skips in a row)."""
-    what = "loss" if not math.isfinite(loss_val) else "gradient norm"
-    latest = run.out_dir / "latest"
-    if not run.cfg.skip_nonfinite:
-        raise NonFiniteLossError(f"non-finite {what} at step {step + 1} (loss {loss_val}, grad norm {gn}); stopped before applying it. "
-                                 f"The last good checkpoint is {latest}; try a lower --lr or --dtype float32, or --skip-nonfinite")
-    run.skipped, run.skipped_in_row = run.skipped + 1, run.skipped_in_row + 1
-    if run.skipped_in_row > run.cfg.max_skips:
-        raise NonFiniteLossError(f"non-finite {what} at {run.skipped_in_row} steps in a row, up to step {step + 1}: the run has diverged, "
-                                 f"skipping will not recover it (--max-skips {run.cfg.max_skips}). The last good checkpoint is "
-                                 f"{latest}; try a lower --lr or --dtype float32")
-    run.say(f"step {step + 1}: non-finite loss {loss_val} / grad norm {gn}; step skipped ({run.skipped} skipped so far)")
 
 
 # ----------------------------------------------------------------------------- evaluate and checkpoint

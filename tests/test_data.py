@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from minimal_asymloop import batches as B
 from minimal_asymloop import data as D
 from minimal_asymloop import sources as S
 
@@ -104,9 +105,9 @@ def test_batch_sampler_is_deterministic_and_partitions_ranks(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16)
     tokens.tofile(tmp_path / "a.bin")
     tk = D.Tokens([tmp_path / "a.bin"], np.uint16)
-    s1, s2 = D.BatchSampler(tk, 9, 8, seed=1), D.BatchSampler(tk, 9, 8, seed=1)
+    s1, s2 = B.BatchSampler(tk, 9, 8, seed=1), B.BatchSampler(tk, 9, 8, seed=1)
     assert np.array_equal(s1.window_ids(5), s2.window_ids(5)) and not np.array_equal(s1.window_ids(5), s1.window_ids(6))
-    assert not np.array_equal(s1.window_ids(0), D.BatchSampler(tk, 9, 8, seed=2).window_ids(0))
+    assert not np.array_equal(s1.window_ids(0), B.BatchSampler(tk, 9, 8, seed=2).window_ids(0))
     epoch = np.concatenate([s1.window_ids(s) for s in range(s1.n_windows // 8)])
     assert len(set(epoch.tolist())) == len(epoch)  # no window twice within an epoch
     x, y = s1.batch(3, slice(0, 8))
@@ -261,8 +262,9 @@ def test_killed_preparation_resumes_with_the_same_tokens(tmp_path, stdlib_data):
 
 
 def test_budget_picks_a_fineweb_sample_or_names_the_fix(capsys, tmp_path):
+    from minimal_asymloop.batches import data_for_run as _data_for
     from minimal_asymloop.model import ModelConfig
-    from minimal_asymloop.trainer import ConfigError, TrainConfig, _data_for
+    from minimal_asymloop.trainer import ConfigError, TrainConfig
 
     assert S.fineweb_for_budget("fineweb-edu", 1_680_000_000) == ("fineweb-edu", None)
     assert S.fineweb_for_budget("stdlib", 10**12) == ("stdlib", None)
@@ -284,7 +286,7 @@ def test_budget_picks_a_fineweb_sample_or_names_the_fix(capsys, tmp_path):
 
 
 def test_repeated_data_prints_its_epochs_once(tiny_configs, capsys):
-    from minimal_asymloop.trainer import _data_for
+    from minimal_asymloop.batches import data_for_run as _data_for
 
     mcfg, cfg = tiny_configs(max_steps=20)  # 20 x 8 sequences: well inside one epoch
     _data_for(mcfg, cfg, 0, quiet=False)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from minimal_asymloop import evaluate
+from minimal_asymloop.batches import eval_windows
 from minimal_asymloop.checkpoint import load_model
-from minimal_asymloop.data import eval_windows
 from minimal_asymloop.trainer import read_metrics
 
 # ----------------------------------------------------------------------------- on a checkpoint trained in the test

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from minimal_asymloop import data as D
+from minimal_asymloop import batches as B
 from minimal_asymloop import system
 from minimal_asymloop import trainer as T
 from minimal_asymloop.model import LoopedLM, ModelConfig
@@ -83,7 +83,7 @@ def _loop_window_ids(sampler, step):
 
 
 def test_window_ids_are_computed_once_per_step_and_equal_the_per_sequence_rule(stdlib_data):
-    sampler = D.BatchSampler(stdlib_data.train, 32, 48, seed=3)
+    sampler = B.BatchSampler(stdlib_data.train, 32, 48, seed=3)
     epoch_len = sampler.n_windows // 48 + 1  # this step's batch straddles the first epoch boundary
     for step in (0, 1, epoch_len - 1, epoch_len, 3 * epoch_len):
         np.testing.assert_array_equal(sampler.window_ids(step), _loop_window_ids(sampler, step))
@@ -110,10 +110,10 @@ def test_cuda_batches_are_copied_from_pinned_memory_without_blocking(monkeypatch
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     monkeypatch.setattr(torch.Tensor, "to", to)
-    D.to_device(np.zeros((2, 3), dtype=np.int64), torch.device("cuda", 0))
+    B.to_device(np.zeros((2, 3), dtype=np.int64), torch.device("cuda", 0))
     assert calls == ["pin", ("to", "cuda:0", True)]
     calls.clear()
-    D.to_device(np.zeros((2, 3), dtype=np.int64), "cpu")  # pinning needs CUDA; on CPU the copy is a no-op anyway
+    B.to_device(np.zeros((2, 3), dtype=np.int64), "cpu")  # pinning needs CUDA; on CPU the copy is a no-op anyway
     assert calls == [("to", "cpu", True)]
 
 

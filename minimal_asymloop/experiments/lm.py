@@ -11,8 +11,9 @@ import time
 import numpy as np
 import torch
 
+from minimal_asymloop.batches import eval_windows
 from minimal_asymloop.config import TrainConfig
-from minimal_asymloop.data import eval_windows, prepare
+from minimal_asymloop.data import prepare
 from minimal_asymloop.experiments import common
 from minimal_asymloop.experiments.common import CONTEXTS, RUNS, committed_rows, describe_budget, finished, train_lm
 from minimal_asymloop.model import ModelConfig
