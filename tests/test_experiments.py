@@ -141,7 +141,7 @@ def test_chain_task_reuses_committed_runs_and_trains_the_missing_seeds(monkeypat
     monkeypatch.setattr(common, "SEEDS_SET", True)  # as with --seeds 0
     monkeypatch.setattr(common, "SEEDS", (0,))
     first = ex.chain_task()
-    assert trained == [(n, 0) for n in ex.DEPTH_GRID]
+    assert trained == [(n, 0) for n in ex.chain_models(ex.ChainTask(**ex.CHAIN_TASK))]
     (tmp_path / "chain_task.json").write_text(json.dumps(first))
     trained.clear()
     monkeypatch.setattr(common, "SEEDS", (0, 1))
@@ -176,7 +176,7 @@ def test_chain_context_trains_its_own_arms_beside_each_other(monkeypatch, tmp_pa
     (tmp_path / "chain_task.json").write_text(json.dumps(grid))
     trained.clear()
     ctx = ex.chain_context()
-    assert trained == [(n, 0) for n in ex.CONTEXT_ARMS] and "asymloop_k3" in ex.DEPTH_GRID  # not reused from chain_task
+    assert trained == [(n, 0) for n in ex.CONTEXT_ARMS] and ("asymloop_k3", 0) in {(r["name"], r["seed"]) for r in grid["runs"]}
     models = ex.chain_models(ex.ChainTask(**ex.CHAIN_TASK))
     assert {models[n].effective_depth for n in ex.CONTEXT_ARMS} == {4}
     (tmp_path / "chain_context.json").write_text(json.dumps(ctx))

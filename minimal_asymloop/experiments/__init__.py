@@ -58,7 +58,6 @@ from minimal_asymloop.experiments.chain import (
     CHAIN_STEPS,
     CHAIN_TASK,
     CONTEXT_ARMS,
-    DEPTH_GRID,
     ChainTask,
     chain_context,
     chain_grid,
