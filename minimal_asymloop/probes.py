@@ -135,6 +135,8 @@ def chain_lookups(model, task, idx, n_iter: int | None = None) -> dict[str, torc
         back:  (K, D, H, B, S, J, 2)   share on the right-hand side (position 4t+2) of statement t, the statement j
                                        hops back along the chain (chain_back), per half; j = 0 is the query's own
                                        position (at 1 hop: its own literal); 0 where the chain is shorter than j + 1
+        stmt:  (K, D, H, B, S, J, 2)   the same for all four positions of statement t ("x=y;"; for j = 0 the query
+                                       sees the first three, up to itself)
 
     Average over the statements of one hop count (task.batch's `hops` at the right-hand sides).
     """
@@ -143,6 +145,9 @@ def chain_lookups(model, task, idx, n_iter: int | None = None) -> dict[str, torc
     q = maps[..., 2::4, :].unflatten(-1, (2, n)).transpose(2, 3)  # (K, D, H, B, S, 2, N): half, key position
     back = chain_back(task, idx)  # (B, S, J)
     b_idx, s_idx = torch.arange(idx.size(0))[:, None, None], torch.arange(n // 4)[None, :, None]
-    picked = q.permute(3, 4, 6, 0, 1, 2, 5)[b_idx, s_idx, 4 * back.clamp(min=0) + 2]  # (B, S, J, K, D, H, 2)
-    picked = picked * (back >= 0)[..., None, None, None, None]
-    return dict(half=q.sum(-1), back=picked.permute(3, 4, 5, 0, 1, 2, 6))
+    valid = (back >= 0)[..., None, None, None, None]
+    per_key = q.permute(3, 4, 6, 0, 1, 2, 5)  # (B, S, N, K, D, H, 2)
+    rhs = per_key[b_idx, s_idx, 4 * back.clamp(min=0) + 2] * valid  # (B, S, J, K, D, H, 2)
+    per_stmt = per_key.unflatten(2, (n // 4, 4)).sum(3)  # (B, S, S', K, D, H, 2)
+    stmt = per_stmt[b_idx, s_idx, back.clamp(min=0)] * valid
+    return dict(half=q.sum(-1), back=rhs.permute(3, 4, 5, 0, 1, 2, 6), stmt=stmt.permute(3, 4, 5, 0, 1, 2, 6))

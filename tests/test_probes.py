@@ -121,12 +121,13 @@ def test_chain_lookups_equal_the_attention_maps_read_by_hand():
     idx = torch.tensor([task.encode("a=1;b=a;d=2;c=b;"), task.encode("b=3;a=b;c=a;d=c;")])
     look = chain_lookups(model, task, idx)
     maps = attention_maps(model, idx)  # (K, D, B, H, N, 2N)
-    assert look["back"].shape == (3, 1, 4, 2, 4, 3, 2) and look["half"].shape == (3, 1, 4, 2, 4, 2)
+    assert look["back"].shape == look["stmt"].shape == (3, 1, 4, 2, 4, 3, 2) and look["half"].shape == (3, 1, 4, 2, 4, 2)
     for k, h in ((0, 0), (2, 1)):
         row = maps[k, 0, 0, h, 4 * 3 + 2]  # statement 3 "c=b" of program 0: its chain is c=b -> b=a -> a=1
         for j, t in enumerate([3, 1, 0]):
             for half in (0, 1):
                 assert look["back"][k, 0, h, 0, 3, j, half] == pytest.approx(row[16 * half + 4 * t + 2].item())
+                assert look["stmt"][k, 0, h, 0, 3, j, half] == pytest.approx(row[16 * half + 4 * t: 16 * half + 4 * t + 4].sum().item())
         assert look["half"][k, 0, h, 0, 3, 0] == pytest.approx(row[:16].sum().item())
-    assert (look["back"][:, :, :, 0, 2, 1:] == 0).all()  # "d=2" has 1 hop: nothing further back
+    assert (look["back"][:, :, :, 0, 2, 1:] == 0).all() and (look["stmt"][:, :, :, 0, 2, 1:] == 0).all()  # "d=2": 1 hop
     assert (look["back"][:, :, :, 1, 3] > 0).all()  # "d=c" has 3 hops: all three right-hand sides are visible to it
