@@ -1,14 +1,31 @@
-"""The committed notebooks read well on GitHub: every figure a cell draws is stored as that cell's image output.
-And package plotting builds bare Figures, so it never switches a live notebook's backend off."""
+"""The committed notebooks read well on GitHub and run anywhere. Every figure a cell draws is stored as that cell's
+image output, and package plotting builds bare Figures, so it never switches a live notebook's backend off. Every
+notebook under notebooks/ (solutions included) carries no run-to-run metadata, opens on Colab from its badge, installs
+the package there in its first code cell, and finds its files through minimal_asymloop.paths."""
 
 import json
 import re
-from pathlib import Path
 
 import matplotlib
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+from minimal_asymloop.nbtools import volatile
+from minimal_asymloop.paths import REPO, REPO_URL
+
+NOTEBOOKS = sorted(p for p in (REPO / "notebooks").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+
+# The Colab install every notebook's first code cell starts with (see the notebook conventions): it clones REPO_URL.
+COLAB_SETUP = f"""# On Colab: clone the repository and install it (about a minute); anywhere else this cell does nothing.
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    if not os.path.isdir("/content/minimal-asymloop"):
+        subprocess.run(["git", "clone", "--depth", "1", "{REPO_URL}",
+                        "/content/minimal-asymloop"], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "/content/minimal-asymloop"], check=True)
+    sys.path.insert(0, "/content/minimal-asymloop")  # a running kernel does not see a fresh editable install
+"""
+# A path relative to the working directory: "results/...", "../out/...", "../results" (use paths.RESULTS / OUT instead).
+RELATIVE_PATH = re.compile(r"""["'](?:\.\./)*(?:results|out)/|["'](?:\.\./)+(?:results|out)\b""")
 
 # A code cell draws a figure if it shows, creates or displays one (pyplot, a bare Figure, or a saved PNG).
 DRAWS = re.compile(r"plt\.(show|subplots|figure|imshow)\(|\bFigure\(|display\(\s*(fig|Image)|\bImage\(")
@@ -31,17 +48,92 @@ def _draws(source, outputs):
 
 def test_notebooks_found():
     assert len(NOTEBOOKS) >= 4, NOTEBOOKS
+    assert any(p.parent.name == "solutions" for p in NOTEBOOKS), "the search misses notebooks/solutions/"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def _nb(path):
+    return json.loads(path.read_text())
+
+
+def _rel(path):
+    return path.relative_to(REPO).as_posix()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_no_volatile_metadata(path):
+    """Execution timestamps and UI state change on every run; committed notebooks carry none."""
+    found = volatile(_nb(path))
+    assert not found, f"{_rel(path)}: volatile metadata at {found[:5]}; python -m minimal_asymloop.nbtools strip {_rel(path)}"
+
+
+def test_volatile_metadata_is_caught():
+    nb = _nb(NOTEBOOKS[0])
+    assert volatile(nb) == []
+    nb["cells"][1].setdefault("metadata", {})["execution"] = {"iopub.execute_input": "2026-11-30T10:00:00.000000Z"}
+    assert volatile(nb) == ["cell 1: execution"]
+
+
+def colab_problems(nb: dict, rel: str) -> list[str]:
+    """What keeps a notebook from opening on Colab from its badge and installing the package there."""
+    cells = nb["cells"]
+    first_md = next(("".join(c["source"]) for c in cells if c["cell_type"] == "markdown"), "")
+    first_code = next(("".join(c["source"]) for c in cells if c["cell_type"] == "code"), "")
+    owner_repo = REPO_URL.removeprefix("https://github.com/")
+    badge = f"(https://colab.research.google.com/github/{owner_repo}/blob/main/{rel})"
+    problems = []
+    if "colab-badge.svg" not in first_md or badge not in first_md:
+        problems.append(f"the first markdown cell has no Colab badge linking {badge[1:-1]}")
+    if not first_code.startswith(COLAB_SETUP):
+        problems.append("the first code cell is not the Colab setup cell (clone REPO_URL, pip install -e) of the conventions")
+    elif not re.search(r"^DEVICE = ", first_code, re.M):
+        problems.append("the setup cell sets no DEVICE knob")
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_opens_on_colab(path):
+    problems = colab_problems(_nb(path), _rel(path))
+    assert not problems, f"{_rel(path)}: " + "; ".join(problems)
+
+
+def test_colab_check_catches_each_problem():
+    nb, rel = _nb(NOTEBOOKS[0]), _rel(NOTEBOOKS[0])
+    assert colab_problems(nb, rel) == []
+    assert len(colab_problems(nb, "notebooks/other.ipynb")) == 1  # a badge pointing at another notebook
+    first_code = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    first_code["source"] = "".join(first_code["source"]).replace(REPO_URL, "https://github.com/someone/fork")
+    assert any("setup cell" in p for p in colab_problems(nb, rel))
+
+
+def relative_paths(nb: dict) -> list[str]:
+    code = ["\n".join(line.split("#")[0] for line in "".join(c["source"]).splitlines()) for c in nb["cells"] if c["cell_type"] == "code"]
+    return [m.group(0) for src in code for m in RELATIVE_PATH.finditer(src)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_paths_do_not_depend_on_the_working_directory(path):
+    found = relative_paths(_nb(path))
+    assert not found, (f"{_rel(path)}: relative paths {found}; use minimal_asymloop.paths (RESULTS / \"x.json\", "
+                       f"OUT / \"nbNN_run\") so the notebook runs from any directory and on Colab")
+
+
+def test_relative_path_check_catches_each_form():
+    def nb(src):
+        return {"cells": [{"cell_type": "code", "source": src}]}
+    for bad in ('Path("results/alrs.json")', 'out_dir="../out/nb00_tour"', "load_model('../out')", 'x = "../results"'):
+        assert relative_paths(nb(bad)), bad
+    for good in ('RESULTS / "alrs.json"', 'OUT / "nb00_tour"', 'dict(out_dir=str(OUT / "x"))', '# see results/x.json'):
+        assert not relative_paths(nb(good)), good
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
 def test_every_drawn_figure_is_committed_in_its_cell(path):
     """A cell that draws holds an image/png output; a cell that draws nothing holds none (a figure that
     turns up under a later cell, as after a backend switch, fails both ways)."""
     missing = [i for i, src, outs in _code_cells(path) if _draws(src, outs) and _n_images(outs) == 0]
     stray = [i for i, src, outs in _code_cells(path) if not _draws(src, outs) and _n_images(outs) > 0]
     assert not missing, (f"{path.name}: cells {missing} draw a figure but hold no image/png output; "
-                         f"execute the notebook with the inline backend: env -u MPLBACKEND jupyter nbconvert --to notebook "
-                         f"--execute --inplace {path.name}")
+                         f"execute the notebook with the inline backend: python -m minimal_asymloop.nbtools run {_rel(path)}")
     assert not stray, f"{path.name}: cells {stray} draw nothing but hold an image (a figure from an earlier cell?)"
 
 
