@@ -168,13 +168,14 @@ class ModelConfig:
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm computed in fp32 and returned in its input's dtype, with or without autocast.
+    """nn.RMSNorm computed in fp32 (fp64 input: in fp64) and returned in its input's dtype, with or without autocast.
 
     CUDA autocast has an fp32 rule for rms_norm (CPU autocast has none), so a plain nn.RMSNorm hands bf16
     input back in fp32 on a GPU only: QKNorm's q and k would then reach RoPE and attention in fp32."""
 
     def forward(self, x):
-        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).to(x.dtype)
+        dt = torch.promote_types(x.dtype, torch.float32)
+        return F.rms_norm(x.to(dt), self.normalized_shape, self.weight.to(dt), self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):

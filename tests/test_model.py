@@ -227,3 +227,18 @@ def test_fast_path_is_used_in_the_model_and_matches_reference(monkeypatch):
     monkeypatch.setattr(M, "joint_attention", M.joint_attention_reference)
     ref, _ = m(idx)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_keeps_float64_exact_and_returns_the_input_dtype():
+    """fp64 input is normalized in fp64 (an fp32 pass would lose ~1e-7, which the notebooks' fp64 checks would see),
+    lower precisions compute in fp32 and come back in their own dtype."""
+    from minimal_asymloop.model import RMSNorm
+
+    norm = RMSNorm(64, eps=1e-6).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(8, 64, dtype=torch.float64) * 3
+    exact = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    assert (norm(x) - exact).abs().max() < 1e-12
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        assert norm.to(dt)(x.to(dt)).dtype == dt
