@@ -134,7 +134,7 @@ def train_on_task(model, task: ChainTask, steps: int = 600, batch_size: int = 32
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg) * group["lr_mult"]
         idx, targets, _ = task.batch(batch_size, g)
-        _, loss = model(idx, targets)  # cross-entropy at right-hand sides only (targets -1 elsewhere)
+        _, loss = model(idx, targets, return_logits=False)  # CE at right-hand sides only (targets -1 elsewhere); the head runs once
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
