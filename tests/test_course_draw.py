@@ -37,3 +37,10 @@ def test_the_mask_figure_shows_j_le_i_in_both_halves():
     assert rows[0] == ["1", "0", "0", "0", "1", "0", "0", "0"] and rows[3] == ["1"] * 8
     with pytest.raises(ValueError, match="choose an integer in 1..12"):
         mask_figure(n=0)
+
+
+def test_a_returned_figure_shows_itself_without_pyplot():
+    """A notebook cell that returns the figure shows it as a PNG even when the kernel never imported pyplot."""
+    for fig in (asymloop_figure(), mask_figure()):
+        png = fig._repr_png_()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000

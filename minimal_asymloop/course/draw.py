@@ -4,6 +4,8 @@
 bare matplotlib Figures (no pyplot state): a notebook displays them, `fig.savefig` writes them.
 """
 
+import io
+
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
@@ -15,13 +17,23 @@ GREY = "#C8C8C8"
 FONT = 10.5
 
 
+class NotebookFigure(Figure):
+    """A bare Figure that shows itself as a PNG when a notebook cell returns it, also in a kernel that never imported
+    pyplot (which is what registers the inline backend's own display of Figures)."""
+
+    def _repr_png_(self):
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+        return buf.getvalue()
+
+
 class _Canvas:
     """Boxes, arrows and text in inch coordinates on one axes, each tagged with its part of the model."""
 
     def __init__(self, width, height, highlight):
         if highlight is not None and highlight not in HIGHLIGHTS:
             raise ValueError(f"unknown highlight {highlight!r}; choose one of None, {', '.join(map(repr, HIGHLIGHTS))}")
-        self.fig = Figure(figsize=(width, height))
+        self.fig = NotebookFigure(figsize=(width, height))
         self.ax = self.fig.add_axes((0, 0, 1, 1))
         self.ax.set_xlim(0, width)
         self.ax.set_ylim(0, height)
@@ -142,7 +154,7 @@ def mask_figure(n: int = 4) -> Figure:
     if not isinstance(n, int) or not 1 <= n <= 12:
         raise ValueError(f"n={n!r} tokens cannot be drawn legibly; choose an integer in 1..12")
     cell = 0.6
-    fig = Figure(figsize=(2 * n * cell + 1.6, n * cell + 1.5), layout="constrained")
+    fig = NotebookFigure(figsize=(2 * n * cell + 1.6, n * cell + 1.5), layout="constrained")
     ax = fig.add_subplot()
     for i in range(n):
         for j in range(2 * n):
