@@ -18,10 +18,12 @@ def test_the_table_prints_each_value_and_splits_the_halves():
 
 def test_check_passes_within_tolerance_and_names_the_difference_otherwise(capsys):
     a = torch.zeros(3)
-    check("same", a, a + 1e-9)
-    assert "OK      same: largest difference 1e-09" in capsys.readouterr().out
+    check("same", a, a + 1e-12)
+    assert "OK      same: largest difference 1e-12" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="off: largest difference 1e-08 > tolerance 1e-10"):
+        check("off", a, a + 1e-8)
     with pytest.raises(AssertionError, match="off: largest difference 0.5 > tolerance 1e-06"):
-        check("off", a, a + 0.5)
+        check("off", a, a + 0.5, tol=1e-6)
 
 
 def test_show_failing_prints_a_caught_check_and_refuses_a_passing_one(capsys):
@@ -31,12 +33,13 @@ def test_show_failing_prints_a_caught_check_and_refuses_a_passing_one(capsys):
         show_failing("not wrong", lambda: check("x", torch.zeros(1), torch.zeros(1)))
 
 
-def test_definitions_keep_functions_and_assignments_not_prints(tmp_path):
+def test_definitions_keep_the_code_not_its_prints_and_checks(tmp_path):
     cell = dict(cell_type="code", metadata=dict(tags=["build-it"]),
-                source="def f(x):\n    return 2 * x\n\ny = f(2)\nprint(y)\nfor i in range(3):\n    print(i)\n")
+                source="def f(x):\n    return 2 * x\n\ny = f(2)\nprint(y)\ncheck('y', y, 4)\nfor i in range(3):\n    print(i)\n"
+                       "torch.manual_seed(0)\n")
     other = dict(cell_type="code", metadata={}, source="z = 1\n")
     path = tmp_path / "nb.ipynb"
     path.write_text(json.dumps(dict(cells=[cell, other])))
-    assert definitions(path, "build-it") == "def f(x):\n    return 2 * x\ny = f(2)"
+    assert definitions(path, "build-it") == "def f(x):\n    return 2 * x\ny = f(2)\ntorch.manual_seed(0)"
     with pytest.raises(ValueError, match="no code cell of .* is tagged 'trace'"):
         definitions(path, "trace")

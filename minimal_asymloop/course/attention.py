@@ -40,9 +40,9 @@ def show(title: str, rows, cols: list[str] | None = None, **kw):
     print(table(title, rows, cols, **kw) + "\n")
 
 
-def check(label: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-6):
-    """Assert that a piece built in the notebook equals the package's within tol (float64 rounding, and the fused CPU
-    attention kernel, which agrees with plain float64 math to about 1e-8); print the largest difference."""
+def check(label: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-10):
+    """Assert that a piece built in the notebook equals the package's within tol (float64 rounding: about 1e-14 in
+    notebook 01); print the largest difference."""
     if got.shape != want.shape:
         raise AssertionError(f"{label}: shape {tuple(got.shape)} against {tuple(want.shape)}")
     diff = (got - want).abs().max().item()
@@ -63,8 +63,8 @@ def show_failing(label: str, run):
 
 
 def definitions(path, tag: str) -> str:
-    """The functions, assignments and `with` blocks of a notebook's code cells tagged `tag`, without the lines that only
-    print or check (bare expressions, `for` loops): a solutions notebook execs them to reuse a notebook's build."""
+    """The code of a notebook's cells tagged `tag` without what only prints or checks (calls of print, show, check and
+    show_failing, and `for` loops): a solutions notebook execs it to reuse the notebook's build as it is."""
     import ast
     import json
     from pathlib import Path
@@ -73,6 +73,11 @@ def definitions(path, tag: str) -> str:
     tagged = ["".join(c["source"]) for c in cells if c["cell_type"] == "code" and tag in c["metadata"].get("tags", [])]
     if not tagged:
         raise ValueError(f"no code cell of {path} is tagged {tag!r}; tag the cells to reuse in their metadata")
-    keep = (ast.FunctionDef, ast.Assign, ast.With, ast.Import, ast.ImportFrom)
+
+    def shown_only(node):
+        call = node.value if isinstance(node, ast.Expr) else None
+        named = isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+        return isinstance(node, ast.For) or (named and call.func.id in ("print", "show", "check", "show_failing"))
+
     return "\n".join(ast.get_source_segment(src, node) for src in tagged for node in ast.parse(src).body
-                     if isinstance(node, keep))
+                     if not shown_only(node))
