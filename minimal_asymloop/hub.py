@@ -22,20 +22,27 @@ import sys
 import tempfile
 from pathlib import Path
 
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
 from minimal_asymloop.checkpoint import (  # noqa: F401 (the --ckpt rule, re-exported: hub.resolve)
     HUB_PREFIX,
     REPO_ID,
     CheckpointError,
     download,
+    file_checksum,
     hub_repo_id,
     load_model,
     read_meta,
+    read_weights,
     resolve,
     verify,
 )
 from minimal_asymloop.flops import count_params
+from minimal_asymloop.hf_files import write_hf_files
 from minimal_asymloop.model import ModelConfig
 from minimal_asymloop.runfolder import os_error_line
+from minimal_asymloop.sources import eot_id
 
 ARCH_NAMES = {"dense": "Dense", "full_loop": "Full Loop", "asymloop": "AsymLoop"}
 
@@ -123,9 +130,14 @@ def export(ckpt, to, license: str = "mit", repo: str = "owner/name") -> Path:
     to.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{to.name}.tmp-", dir=to.parent))  # same file system: the final move is a rename
     try:
-        shutil.copyfile(src / "model.safetensors", tmp / "model.safetensors")
-        shutil.copyfile(src / "tokenizer.json", tmp / "tokenizer.json")
-        (tmp / "config.json").write_text(json.dumps(meta, indent=1))
+        weights = read_weights(src, meta)  # verified again: the bytes copied are the bytes checked
+        save_file({f"model.{n}": t for n, t in weights.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+        meta["checksums"] = {}  # filled below, once tokenizer.json is written too
+        write_hf_files(tmp, meta, tok, eot_id(tok))
+        meta["checksums"] = {f: file_checksum(tmp / f) for f in ("model.safetensors", "tokenizer.json")}
+        config = json.loads((tmp / "config.json").read_text())
+        (tmp / "config.json").write_text(json.dumps({**config, "checksums": meta["checksums"]}, indent=1))
         (tmp / "README.md").write_text(model_card(meta, license, repo))
         if to.exists():
             to.rmdir()
