@@ -177,6 +177,7 @@ class AsymLoopForCausalLM(PreTrainedModel, GenerationMixin):
         position_ids are ignored: positions follow the cache (no padding mask, see check_padding)."""
         check_padding(attention_mask)
         cache = cache if cache is not None else past_key_values
+        n_iter = n_iter or self.config.n_iter  # the config's K: from_pretrained(..., n_iter=6) sets test-time depth too
         exit_threshold = self.config.exit_threshold if exit_threshold is None else exit_threshold
         adaptive = exit_threshold is not None
         if cache is None and use_cache:
