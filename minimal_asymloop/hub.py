@@ -5,9 +5,11 @@
     python -m minimal_asymloop.sample --ckpt you/asymloop-tiny                               # load from the Hub
 
 An exported folder holds model.safetensors (the weights), config.json (the checkpoint's meta.json: model
-config, training config, step, val loss, data), tokenizer.json and README.md (a model card generated from
-config.json). `checkpoint.load_model` reads such a folder, locally or from the Hub. A download fetches
-*.safetensors and *.json only, so loading never runs code from it.
+config, training config, step, val loss, data; and transformers' config), tokenizer.json + tokenizer_config.json,
+README.md (a model card generated from config.json) and transformers' remote code (hf_files.py), so it also loads with
+`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` without this package (docs/hub.md).
+`checkpoint.load_model` reads such a folder, locally or from the Hub. A download fetches *.safetensors and *.json
+only, so loading never runs code from it.
 
 Which `--ckpt` is the Hub (ours): `hf:owner/name` always is; a path that exists is always local;
 `owner/name` is the Hub unless `owner` is a local folder; anything else is a local path.
@@ -113,8 +115,23 @@ python -m minimal_asymloop.evaluate --ckpt hf:{repo}
 model, tokenizer, meta = load_model("hf:{repo}")
 ```
 
+With transformers only (the modeling code travels in this repository, generated from minimal-asymloop's source):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
+print(tok.decode(model.generate(**tok("Looped transformers", return_tensors="pt"), max_new_tokens=20)[0]))
+```
+
+`model.generate(..., n_iter=6)` runs the decoder 6 times (test-time depth); `exit_threshold=0.01, max_iter=6` stops
+each token once its prediction settles. `lm_eval --model hf --model_args pretrained={repo},trust_remote_code=True`
+evaluates it.
+
 Files: `model.safetensors` (weights), `config.json` (model and training configuration, step, validation
-loss, data), `tokenizer.json`. Loading reads only these, so it never runs code from the repository.
+loss, data, checksums), `tokenizer.json` + `tokenizer_config.json`, and transformers' `configuration_asymloop.py`
+and `modeling_asymloop.py`. minimal-asymloop's own loader reads only the weights and JSON, so it never runs code
+from the repository; transformers runs the two .py files only with `trust_remote_code=True`.
 """
 
 

@@ -197,9 +197,12 @@ def test_remote_code_is_generated_from_our_source(exported):
         m = hf_files.Module(module)
         for n in names:
             assert all(m.source(i) in modeling for i in m.defs[n]), f"{module}.{n} is not verbatim in the bundle"
-    imported = {n.module or "" for n in ast.walk(ast.parse(modeling)) if isinstance(n, ast.ImportFrom)}
-    imported |= {a.name for n in ast.walk(ast.parse(modeling)) if isinstance(n, ast.Import) for a in n.names}
+    nodes = [n for src in files.values() for n in ast.walk(ast.parse(src))]
+    imported = {n.module or "" for n in nodes if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in nodes if isinstance(n, ast.Import) for a in n.names}
     assert not any(m.startswith("minimal_asymloop") for m in imported) and "configuration_asymloop" in imported
+    outside = {m.split(".")[0] for m in imported} - set(sys.stdlib_module_names) - {"", "configuration_asymloop"}
+    assert outside == {"torch", "transformers", "packaging"}  # what a venv with torch + transformers has
     assert "ModelConfig" not in modeling.split("from .configuration_asymloop import", 1)[0]  # one ModelConfig: the config file's
 
 
@@ -313,7 +316,16 @@ def test_checksums_safetensors_only_and_one_line_errors(exported, tiny_checkpoin
     (bad / "tokenizer_config.json").unlink()
     with pytest.raises(ValueError, match=r"has no tokenizer \(tokenizer_config.json missing\)"):
         remote(bad)
+    from safetensors.torch import load_file, save_file
+
+    (bad / "tokenizer_config.json").write_text("{}")
+    tensors = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.endswith("head.weight")}, bad / "model.safetensors")
     config = json.loads((folder / "config.json").read_text())
+    sha = hf.file_sha256(bad / "model.safetensors")
+    (bad / "config.json").write_text(json.dumps({**config, "files_sha256": {"model.safetensors": sha}}))
+    with pytest.raises(ValueError, match=r"model.safetensors does not match config.json \({'missing_keys': \['model.head.weight'\]}\)"):
+        remote(bad)  # a missing weight is an error, not transformers' warning and a random head
     for text, msg in (({"model_type": "llama"}, "a 'llama' model, not asymloop"),
                       ({k: v for k, v in config.items() if k not in ("model_type", "auto_map")},
                        "an export from before transformers support; re-export it")):
