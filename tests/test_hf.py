@@ -127,8 +127,12 @@ def test_generate_equals_our_sampler_with_and_without_cache_at_any_depth(exporte
         print(f"adaptive tau={tau}: mean iterations {iters.float().mean():.2f} of 6")
     assert model.generate(idx, max_new_tokens=24, do_sample=False, use_cache=False, exit_threshold=0.1,
                           max_iter=6).tolist() == generate_adaptive(ours, idx, 24, 0, None, False, eot, 0.1, 6)[0].tolist()
-    by_config = remote(folder, n_iter=6)  # test-time depth through the config
+    by_config = remote(folder, n_iter=6)  # test-time depth through the config, at load and after it
     assert by_config.generate(idx, max_new_tokens=24, do_sample=False).tolist() == deeper.tolist()
+    model.config.n_iter = 6
+    with torch.no_grad():
+        assert torch.equal(model(idx).logits, by_config(idx).logits)
+    model.config.n_iter = 3
 
     torch.manual_seed(3)
     sampled = model.generate(idx, max_new_tokens=24, do_sample=True, temperature=0.8, top_k=50)
@@ -180,6 +184,7 @@ def test_tokenizer_loads_as_a_fast_tokenizer_that_encodes_like_ours(make, tmp_pa
     for text in ("def main(x):\n    return x + 1", "Looped transformers reuse", "héllo wörld ✓"):
         ids = tok.encode(text, add_special_tokens=False).ids
         assert hf_tok(text)["input_ids"] == ids  # no </s> appended, as our sampler and adapter encode
+        assert Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids == ids  # nor by tokenizer.json alone
         assert hf_tok.decode(ids, skip_special_tokens=True) == tok.decode(ids)  # tokenizers skips them by default
     idx = torch.tensor([tok.encode("def main(", add_special_tokens=False).ids])
     got = remote(folder).generate(**hf_tok("def main(", return_tensors="pt"), max_new_tokens=8, do_sample=False)
