@@ -226,6 +226,17 @@ class AsymLoopForCausalLM(PreTrainedModel, GenerationMixin):
         return (model, info) if want_info else model
 
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, then the sha256 of each weight file into config.json, as an export has them."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        names = sorted(f for f in os.listdir(save_directory) if f.endswith(".safetensors"))
+        with open(os.path.join(save_directory, "config.json")) as f:
+            config_json = json.load(f)
+        config_json["files_sha256"] = {n: file_sha256(os.path.join(save_directory, n)) for n in names}
+        with open(os.path.join(save_directory, "config.json"), "w") as f:
+            json.dump(config_json, f, indent=1)
+
+
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 
@@ -267,16 +278,17 @@ def file_sha256(path) -> str:
 
 
 def verify_weights(path, config_json: dict, **hub) -> None:
-    """model.safetensors against the sha256 the export recorded in config.json ("files_sha256")."""
+    """Each weight file against the sha256 that the export (or save_pretrained) recorded in config.json ("files_sha256")."""
     from transformers.utils import cached_file
 
-    want = (config_json.get("files_sha256") or {}).get("model.safetensors")
-    if want is None:
-        raise ValueError(f"{path}: config.json records no sha256 of model.safetensors; re-export it with "
+    sums = config_json.get("files_sha256") or {}
+    if not sums:
+        raise ValueError(f"{path}: config.json records no sha256 of its weights; re-export it with "
                          f"`python -m minimal_asymloop.hub export`")
-    if file_sha256(cached_file(str(path), "model.safetensors", **hub)) != want:
-        raise ValueError(f"{path}: model.safetensors does not match the sha256 in config.json (its bytes changed after the "
-                         f"export: a disk, copy or transfer error); download or export it again")
+    for name, want in sums.items():
+        if file_sha256(cached_file(str(path), name, **hub)) != want:
+            raise ValueError(f"{path}: {name} does not match the sha256 in config.json (its bytes changed after it was "
+                             f"written: a disk, copy or transfer error); download or export it again")
 
 
 def register() -> None:

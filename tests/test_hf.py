@@ -369,3 +369,15 @@ def test_lm_eval_hf_model_scores_a_local_task_as_our_adapter_does(exported, tmp_
     out = simple_evaluate(model="hf", model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32", tasks=["tiny_mc"],
                           task_manager=TaskManager(include_path=str(tasks)), device="cpu", batch_size=4)
     assert out["results"]["tiny_mc"]["acc,none"] == pytest.approx(direct_accuracy(folder))
+
+
+def test_save_pretrained_round_trip_keeps_the_checksums(exported, tmp_path):
+    folder, _, _ = exported
+    model = remote(folder)
+    model.save_pretrained(tmp_path / "saved")
+    AutoTokenizer.from_pretrained(folder, trust_remote_code=False).save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert list(config["files_sha256"]) == ["model.safetensors"]
+    x = torch.arange(1, 20)[None]
+    with torch.no_grad():
+        assert torch.equal(remote(tmp_path / "saved")(x).logits, model(x).logits)
