@@ -260,6 +260,8 @@ SCRIPT = textwrap.dedent("""
         pairs = json.loads(sys.argv[2])
         out["ll"] = lm.loglikelihood([Instance("loglikelihood", {}, tuple(p), 0) for p in pairs], disable_tqdm=True)
         out["rolling"] = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (sys.argv[3],), 0)], disable_tqdm=True)
+        deep = HFLM(pretrained=repo, trust_remote_code=True, device="cpu", batch_size=3, dtype="float32", n_iter=6)
+        out["ll_k6"] = deep.loglikelihood([Instance("loglikelihood", {}, tuple(p), 0) for p in pairs], disable_tqdm=True)
     print("RESULT " + json.dumps(out))
 """)
 PAIRS = [("def main(", "x):"), ("import", " os"), ("print('hello", " world')"), ("class A:\n", "    pass"),
@@ -267,13 +269,13 @@ PAIRS = [("def main(", "x):"), ("import", " os"), ("print('hello", " world')"), 
 ROLLING = "def main(x):\n    return x + 1\n" * 12  # longer than max_seq_len=64 tokens: several windows
 
 
-def adapter_scores(folder, pairs, text):
+def adapter_scores(folder, pairs, text, n_iter=None):
     """Our lm-eval adapter's log-likelihoods (harness.py) of the same requests, from the same folder."""
     from lm_eval.api.instance import Instance
 
     from minimal_asymloop.harness import AsymLoopLM
 
-    a = AsymLoopLM(ckpt=str(folder), device="cpu", batch_size=3)
+    a = AsymLoopLM(ckpt=str(folder), device="cpu", batch_size=3, n_iter=n_iter)
     ll = a.loglikelihood([Instance("loglikelihood", {}, tuple(p), 0) for p in pairs], disable_tqdm=True)
     return ll, a.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)[0]
 
@@ -297,7 +299,9 @@ def test_export_loads_generates_and_scores_in_a_process_without_our_package(expo
     if "lm_eval" in out:
         pytest.skip(f"lm-eval's hf model is not importable here ({out['lm_eval']}): generation checked, scoring not")
     ll, rolling = adapter_scores(folder, PAIRS, ROLLING)
-    diffs = [abs(a[0] - b[0]) for a, b in zip(out["ll"], ll)] + [abs(out["rolling"][0] - rolling)]
+    ll_k6, _ = adapter_scores(folder, PAIRS, ROLLING, n_iter=6)  # test-time depth through lm-eval's --model_args
+    assert ll_k6 != ll
+    diffs = [abs(a[0] - b[0]) for a, b in zip(out["ll"] + out["ll_k6"], ll + ll_k6)] + [abs(out["rolling"][0] - rolling)]
     print(f"lm-eval hf vs our adapter: max |log-likelihood difference| {max(diffs):.3g} over {len(diffs)} requests")
     assert max(diffs) < 1e-4 and [a[1] for a in out["ll"]] == [b[1] for b in ll]
 
