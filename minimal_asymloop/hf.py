@@ -218,13 +218,13 @@ class AsymLoopForCausalLM(PreTrainedModel, GenerationMixin):
         config_json = check_export(pretrained_model_name_or_path, **hub_kwargs(kwargs))
         verify_weights(pretrained_model_name_or_path, config_json, **hub_kwargs(kwargs))
         kwargs["use_safetensors"] = True
-        kwargs["output_loading_info"], want_info = True, kwargs.get("output_loading_info", False)
+        want_info = kwargs.get("output_loading_info", False)
+        kwargs["output_loading_info"] = True  # to refuse missing or unexpected weights, which transformers only logs
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         bad = {k: sorted(v)[:4] for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         if bad:
             raise ValueError(f"{pretrained_model_name_or_path}: model.safetensors does not match config.json ({bad}); re-export it")
         return (model, info) if want_info else model
-
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, then the sha256 of each weight file into config.json, as an export has them."""
