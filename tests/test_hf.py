@@ -95,7 +95,9 @@ def test_logits_and_loss_equal_looped_lm_for_every_architecture(name, bpe, tmp_p
     x = torch.randint(0, bpe.get_vocab_size(), (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref, ref_loss = ours(x[:, :-1], targets=x[:, 1:])
-        for model in (remote(folder), hf.AsymLoopForCausalLM.from_pretrained(folder).eval()):  # bundled and packaged code
+        packaged = AutoModelForCausalLM.from_pretrained(folder).eval()  # no trust_remote_code: our registered class
+        assert type(packaged) is hf.AsymLoopForCausalLM and type(remote(folder)).__module__.startswith("transformers_modules.")
+        for model in (remote(folder), packaged):  # the export's code and ours
             out = model(x, labels=x)
             diff = (out.logits[:, :-1] - ref).abs().max().item()
             print(f"{name}: max |logit difference| {diff:.3g}")
