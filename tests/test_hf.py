@@ -24,6 +24,7 @@ pytestmark = pytest.mark.extra  # CI runs these after installing the extras: pyt
 import transformers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, pipeline  # noqa: E402
+from transformers.dynamic_module_utils import get_class_from_dynamic_module  # noqa: E402
 
 from minimal_asymloop import hf, hf_files, hub  # noqa: E402
 from minimal_asymloop.checkpoint import load_model, save_checkpoint  # noqa: E402
@@ -72,7 +73,11 @@ def exported(tiny_checkpoint, tmp_path_factory):
 
 
 def remote(folder, **kw):
-    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kw).eval()
+    """The export's own code (its modeling_asymloop.py), loaded as trust_remote_code=True loads it. (In this process
+    AutoModelForCausalLM would pick our registered class: transformers 5 prefers it to a folder's code.)"""
+    cls = get_class_from_dynamic_module("modeling_asymloop.AsymLoopForCausalLM", str(folder))
+    cls.register_for_auto_class("AutoModelForCausalLM")  # as the Auto path does: save_pretrained then copies the code
+    return cls.from_pretrained(folder, **kw).eval()
 
 
 def test_config_carries_every_model_config_field_and_checks_them():
@@ -384,6 +389,8 @@ def test_save_pretrained_round_trip_keeps_the_checksums(exported, tmp_path):
     AutoTokenizer.from_pretrained(folder, trust_remote_code=False).save_pretrained(tmp_path / "saved")
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert list(config["files_sha256"]) == ["model.safetensors"]
+    for name in (hf_files.CONFIG_FILE, hf_files.MODELING_FILE):  # the code travels on, unchanged
+        assert (tmp_path / "saved" / name).read_text() == (folder / name).read_text()
     x = torch.arange(1, 20)[None]
     with torch.no_grad():
         assert torch.equal(remote(tmp_path / "saved")(x).logits, model(x).logits)
