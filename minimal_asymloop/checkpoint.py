@@ -252,6 +252,8 @@ def read_weights(ckpt: Path, meta: dict | None = None) -> dict:
         raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
     except (SafetensorError, ValueError) as e:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt or truncated: model.safetensors cannot be read ({e})") from None
+    if weights and all(n.startswith("model.") for n in weights):  # an export's transformers names (hub.py): our names inside
+        weights = {n.removeprefix("model."): t for n, t in weights.items()}
     bad = next((n for n, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
     if bad is not None:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: its weights hold inf/NaN values (first in {bad}); a run never "

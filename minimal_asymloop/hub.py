@@ -5,9 +5,11 @@
     python -m minimal_asymloop.sample --ckpt you/asymloop-tiny                               # load from the Hub
 
 An exported folder holds model.safetensors (the weights), config.json (the checkpoint's meta.json: model
-config, training config, step, val loss, data), tokenizer.json and README.md (a model card generated from
-config.json). `checkpoint.load_model` reads such a folder, locally or from the Hub. A download fetches
-*.safetensors and *.json only, so loading never runs code from it.
+config, training config, step, val loss, data; and transformers' config), tokenizer.json + tokenizer_config.json,
+README.md (a model card generated from config.json) and transformers' remote code (hf_files.py), so it also loads with
+`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` without this package (docs/hub.md).
+`checkpoint.load_model` reads such a folder, locally or from the Hub. A download fetches *.safetensors and *.json
+only, so loading never runs code from it.
 
 Which `--ckpt` is the Hub (ours): `hf:owner/name` always is; a path that exists is always local;
 `owner/name` is the Hub unless `owner` is a local folder; anything else is a local path.
@@ -22,20 +24,27 @@ import sys
 import tempfile
 from pathlib import Path
 
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
 from minimal_asymloop.checkpoint import (  # noqa: F401 (the --ckpt rule, re-exported: hub.resolve)
     HUB_PREFIX,
     REPO_ID,
     CheckpointError,
     download,
+    file_checksum,
     hub_repo_id,
     load_model,
     read_meta,
+    read_weights,
     resolve,
     verify,
 )
 from minimal_asymloop.flops import count_params
+from minimal_asymloop.hf_files import write_hf_files
 from minimal_asymloop.model import ModelConfig
 from minimal_asymloop.runfolder import os_error_line
+from minimal_asymloop.sources import eot_id
 
 ARCH_NAMES = {"dense": "Dense", "full_loop": "Full Loop", "asymloop": "AsymLoop"}
 
@@ -106,8 +115,23 @@ python -m minimal_asymloop.evaluate --ckpt hf:{repo}
 model, tokenizer, meta = load_model("hf:{repo}")
 ```
 
+With transformers only (the modeling code travels in this repository, generated from minimal-asymloop's source):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
+print(tok.decode(model.generate(**tok("Looped transformers", return_tensors="pt"), max_new_tokens=20)[0]))
+```
+
+`model.generate(..., n_iter=6)` runs the decoder 6 times (test-time depth); `exit_threshold=0.01, max_iter=6` stops
+each token once its prediction settles. `lm_eval --model hf --model_args pretrained={repo},trust_remote_code=True`
+evaluates it.
+
 Files: `model.safetensors` (weights), `config.json` (model and training configuration, step, validation
-loss, data), `tokenizer.json`. Loading reads only these, so it never runs code from the repository.
+loss, data, checksums), `tokenizer.json` + `tokenizer_config.json`, and transformers' `configuration_asymloop.py`
+and `modeling_asymloop.py`. minimal-asymloop's own loader reads only the weights and JSON, so it never runs code
+from the repository; transformers runs the two .py files only with `trust_remote_code=True`.
 """
 
 
@@ -123,9 +147,14 @@ def export(ckpt, to, license: str = "mit", repo: str = "owner/name") -> Path:
     to.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{to.name}.tmp-", dir=to.parent))  # same file system: the final move is a rename
     try:
-        shutil.copyfile(src / "model.safetensors", tmp / "model.safetensors")
-        shutil.copyfile(src / "tokenizer.json", tmp / "tokenizer.json")
-        (tmp / "config.json").write_text(json.dumps(meta, indent=1))
+        weights = read_weights(src, meta)  # verified again: the bytes copied are the bytes checked
+        save_file({f"model.{n}": t for n, t in weights.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+        meta["checksums"] = {}  # filled below, once tokenizer.json is written too
+        write_hf_files(tmp, meta, tok, eot_id(tok))
+        meta["checksums"] = {f: file_checksum(tmp / f) for f in ("model.safetensors", "tokenizer.json")}
+        config = json.loads((tmp / "config.json").read_text())
+        (tmp / "config.json").write_text(json.dumps({**config, "checksums": meta["checksums"]}, indent=1))
         (tmp / "README.md").write_text(model_card(meta, license, repo))
         if to.exists():
             to.rmdir()

@@ -19,7 +19,8 @@ from minimal_asymloop import checkpoint as ckpt
 from minimal_asymloop import evaluate, hub, sample
 from minimal_asymloop.sources import DataError
 
-EXPORT = {"model.safetensors", "config.json", "tokenizer.json", "README.md"}
+DATA_FILES = {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+EXPORT = DATA_FILES | {"README.md", "configuration_asymloop.py", "modeling_asymloop.py"}  # the .py: transformers' remote code
 
 
 class FakeHub:
@@ -78,7 +79,9 @@ def test_export_is_a_hub_ready_folder_that_loads_like_the_checkpoint(tiny_checkp
     model, tok, meta = ckpt.load_model(folder)
     ref, ref_tok, ref_meta = ckpt.load_model(tiny_checkpoint)
     assert torch.equal(logits(model), logits(ref)) and tok.to_str() == ref_tok.to_str()
-    assert {k: v for k, v in meta.items() if k != "path"} == {k: v for k, v in ref_meta.items() if k != "path"}
+    same = [k for k in ref_meta if k not in ("path", "checksums")]  # the export's own files have their own checksums
+    assert {k: meta[k] for k in same} == {k: ref_meta[k] for k in same}
+    assert set(meta["checksums"]) == {"model.safetensors", "tokenizer.json"}
 
     card = (folder / "README.md").read_text()
     front, body = card.split("---\n")[1], card.split("---\n", 2)[2]
@@ -109,7 +112,7 @@ def test_push_then_load_by_repo_id_fetches_weights_and_json_only(tiny_checkpoint
     for spec in ("alice/tiny", "hf:alice/tiny", "hf://alice/tiny"):
         model, _, meta = ckpt.load_model(spec)
         assert torch.equal(logits(model), logits(ref)) and meta["hub_repo"] == "alice/tiny"
-        assert {p.name for p in Path(meta["path"]).iterdir()} == {"model.safetensors", "config.json", "tokenizer.json"}
+        assert {p.name for p in Path(meta["path"]).iterdir()} == DATA_FILES
     assert fake_hub.allow == [["*.safetensors", "*.json"]] * 3 and not marker.exists()
     assert "alice/tiny: no local folder of that name; loading the Hugging Face Hub repo alice/tiny" in capsys.readouterr().err
 
