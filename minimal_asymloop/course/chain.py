@@ -137,7 +137,7 @@ def plot_test_depth(grid: ChainRuns, names) -> Figure:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylabel("3-hop accuracy, held-out programs")
     axes[1].legend(handles=handles, fontsize=9, loc="lower right")
-    fig.suptitle("Solved runs need their trained iterations and keep the answer past them; failed runs never recover")
+    fig.suptitle("Solved runs need their trained iterations and keep the answer past them; iterating on rescues no failed run")
     fig.tight_layout()
     return fig
 
