@@ -313,7 +313,8 @@ def merge_by_lse(o_a, lse_a, o_b, lse_b):
     """Combine two attention outputs over disjoint key sets into one softmax over their union."""
     lse = torch.logaddexp(lse_a, lse_b)  # (B, H, N)
     w_a, w_b = (lse_a - lse).exp().unsqueeze(-1), (lse_b - lse).exp().unsqueeze(-1)
-    return (w_a * o_a.float() + w_b * o_b.float()).to(o_a.dtype), lse
+    dt = torch.promote_types(o_a.dtype, torch.float32)  # bf16/fp16 merged in fp32, fp64 stays fp64
+    return (w_a * o_a.to(dt) + w_b * o_b.to(dt)).to(o_a.dtype), lse
 
 
 class _JointFlash(torch.autograd.Function):

@@ -81,6 +81,17 @@ def test_fast_joint_attention_matches_reference(n, heads):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_fast_joint_attention_is_exact_in_float64():
+    """The log-sum-exp merge keeps float64 (it once rounded both halves through fp32: off by about 1e-8)."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 3, 17, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(5)]
+    dout = torch.randn(2, 3, 17, 16, generator=g, dtype=torch.float64)
+    fast, ref = joint_attention(*xs), joint_attention_reference(*xs)
+    assert (fast - ref).abs().max() < 1e-13
+    for a, b in zip(torch.autograd.grad(fast, xs, dout), torch.autograd.grad(ref, xs, dout)):
+        assert (a - b).abs().max() < 1e-12
+
+
 def test_joint_attention_hand_computed():
     # N=2, one head, hd=2. Scores are q·k/sqrt(2); query 0 sees {g0, l0}, query 1 sees {g0, g1, l0, l1}.
     s2 = math.sqrt(2.0)

@@ -1,0 +1,113 @@
+"""Notebook 04's figures and tables: adaptive per-token depth read from notebooks/results/adaptive.json
+(`python -m minimal_asymloop.bench adaptive`), so that its cells show the rule and the result, not the plotting."""
+
+from matplotlib.figure import Figure
+
+MARKERS = ("o", "s", "^")  # one per chain seed
+HOP_COLORS = {"1": "C0", "2": "C2", "3": "C3"}
+
+
+def name(row: dict) -> str:
+    """A sweep row's label: fixed depth `K=k` or the threshold `tau=τ`."""
+    return f"K={row['k']}" if "k" in row else f"tau={row['tau']:g}"
+
+
+def at_tau(rows: list[dict], tau: float) -> dict:
+    """The adaptive row at threshold `tau`."""
+    found = [r for r in rows if r["tau"] == tau]
+    if not found:
+        raise ValueError(f"no adaptive row at tau={tau:g}; the sweep has {[r['tau'] for r in rows]}")
+    return found[0]
+
+
+def exit_gap(run: dict, tau: float) -> float:
+    """3-hop minus 1-hop mean exit iteration of a chain run's answers at `tau`."""
+    it = at_tau(run["adaptive"], tau)["iter_by_hops"]
+    return it["3"] - it["1"]
+
+
+def cheaper_and_as_good(adaptive: list[dict], ref: dict, metric: str, higher_is_better: bool) -> list[float]:
+    """Thresholds τ > 0 whose `metric` is at least as good as `ref`'s for fewer FLOPs than `ref`."""
+    good = (lambda r: r[metric] >= ref[metric]) if higher_is_better else (lambda r: r[metric] <= ref[metric])
+    return [r["tau"] for r in adaptive if r["tau"] > 0 and good(r) and r["flops_vs_max"] < ref["flops_vs_max"]]
+
+
+def beaten_by_fixed(lm: dict, x: str = "mean_iter") -> dict[float, int | None]:
+    """{τ: the smallest fixed K that is at least as good in CE for no more `x` (None: no fixed depth beats τ)}, τ > 0."""
+    out = {}
+    for r in lm["adaptive"]:
+        if r["tau"] > 0:
+            ks = [f["k"] for f in lm["fixed"] if f["ce"] <= r["ce"] and f[x] <= r[x]]
+            out[r["tau"]] = min(ks) if ks else None
+    return out
+
+
+def plot_lm(lm: dict) -> Figure:
+    """Held-out CE against iterations per token and against FLOPs: fixed K = 1..K_max and the adaptive rule."""
+    fig = Figure(figsize=(10, 4.2))
+    axes = fig.subplots(1, 2, sharey=True)
+    ad = [r for r in lm["adaptive"] if r["tau"] > 0]
+    for ax, x, label in [(axes[0], "mean_iter", "decoder iterations per token"),
+                         (axes[1], "flops_vs_max", f"forward FLOPs per token (/ fixed K={lm['max_iter']})")]:
+        ax.plot([r[x] for r in lm["fixed"]], [r["ce"] for r in lm["fixed"]], "o-", color="k",
+                label=f"fixed K = 1..{lm['max_iter']}")
+        ax.plot([r[x] for r in ad], [r["ce"] for r in ad], "s--", color="C1", label="adaptive, τ > 0")
+        for r in ad:
+            if r["tau"] in (1e-3, 1e-2, 3e-2, 0.1):
+                ax.annotate(f"τ={r['tau']:g}", (r[x], r["ce"]), textcoords="offset points", xytext=(4, 5), fontsize=9)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out cross-entropy (nats/token)")
+    axes[0].legend(loc="upper right")
+    fig.suptitle(f"Tiny LM (trained at K={lm['trained_n_iter']}, step {lm['step']}): "
+                 "the rule beats K_max, not the trained depth")
+    fig.tight_layout()
+    return fig
+
+
+def plot_chain(runs: list[dict]) -> Figure:
+    """Left: answers' mean exit iteration by hop count against τ, one marker per seed. Right: 3-hop accuracy
+    against FLOPs, fixed K (solid) and adaptive (dashed)."""
+    fig = Figure(figsize=(10, 4.4))
+    axes = fig.subplots(1, 2)
+    for run, m in zip(runs, MARKERS):
+        ad = [r for r in run["adaptive"] if r["tau"] > 0]
+        for h, color in HOP_COLORS.items():
+            axes[0].plot([r["tau"] for r in ad], [r["iter_by_hops"][h] for r in ad], m, ls="-", lw=0.8, color=color,
+                         alpha=0.8, label=f"{h}-hop" if run is runs[0] else None)
+        fx = run["fixed"]
+        axes[1].plot([r["flops_vs_max"] for r in fx], [r["acc_by_hops"]["3"] for r in fx], m + "-", color="k", alpha=0.7,
+                     label=f"fixed K = 1..{run['max_iter']}" if run is runs[0] else None)
+        axes[1].plot([r["flops_vs_max"] for r in ad], [r["acc_by_hops"]["3"] for r in ad], m + "--", color="C1",
+                     alpha=0.8, label="adaptive, τ > 0" if run is runs[0] else None)
+    seeds = ", ".join(f"{run['seed']} {m}" for run, m in zip(runs, ("●", "■", "▲")))
+    axes[0].set(xscale="log", xlabel="exit threshold τ (KL, nats)", ylabel="mean exit iteration of the answers",
+                title=f"Harder answers stop later\n(seeds {seeds})")
+    axes[0].legend()
+    k1 = runs[0]["fixed"][0]["acc_by_hops"]["3"]
+    axes[1].set(xlabel=f"forward FLOPs per token (/ fixed K={runs[0]['max_iter']})", ylabel="3-hop accuracy",
+                ylim=(0.93, 1.003), title=f"3-hop accuracy against compute\n(fixed K=1: {k1:.2f}, below the axis)")
+    axes[1].legend(loc="lower right")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def lm_table(lm: dict) -> str:
+    """The LM sweep, one line per fixed depth and threshold."""
+    lines = [f"{'depth':>11} {'iters/token':>11} {'CE':>7} {'FLOPs vs K=' + str(lm['max_iter']):>12}"]
+    lines += [f"{name(r):>11} {r['mean_iter']:>11.2f} {r['ce']:>7.4f} {r['flops_vs_max']:>12.3f}"
+              for r in lm["fixed"] + lm["adaptive"]]
+    return "\n".join(lines)
+
+
+def chain_table(runs: list[dict]) -> str:
+    """Every chain seed's sweep: iterations per token, accuracy and mean exit iteration by hop count."""
+    lines = [f"{'seed':>4} {'depth':>10} {'iters/token':>11} {'acc 1/2/3 hops':>20} {'exit iteration 1/2/3 hops':>26}"]
+    for run in runs:
+        for r in run["fixed"] + run["adaptive"]:
+            acc = " ".join(f"{a:.3f}" for a in r["acc_by_hops"].values())
+            it = " ".join(f"{a:.2f}" for a in r["iter_by_hops"].values())
+            lines.append(f"{run['seed']:>4} {name(r):>10} {r['mean_iter']:>11.2f} {acc:>20} {it:>26}")
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""Notebook 05's figures and tables: weight spectra against the Marchenko–Pastur bulk, and the ALRS study read from
+notebooks/results/alrs.json (`python -m minimal_asymloop.experiments alrs`), so that its cells show the idea."""
+
+import numpy as np
+from matplotlib.figure import Figure
+
+ARM_LABELS = {"uniform": "uniform LR", "alrs": "ALRS", "alrs_unpinned": "ALRS, embedding/head not pinned",
+              "alrs_hill": "ALRS, hill_median fit", "uniform_top": "uniform, embedding/head at 5× only",
+              "scaled": "uniform × ALRS's mean multiplier"}
+SRANK_GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN")
+
+
+def runs_of(res: dict, arm: str, lr: float | None = None) -> dict[int, dict]:
+    """{seed: run} of `arm` at base LR `lr` (None: any LR)."""
+    return {r["seed"]: r for r in res["runs"] if r["arm"] == arm and (lr is None or r["lr"] == lr)}
+
+
+def best_lr(res: dict, arm: str) -> float:
+    """The arm's base LR with the lowest mean final val loss over all seeds, among its sweep's LRs that have every seed."""
+    seeds, grid = res["setting"]["seeds"], res["setting"]["lr_grids"][arm]
+    by_lr = {lr: runs_of(res, arm, lr) for lr in grid}
+    full = {lr: np.mean([got[s]["val_loss"] for s in seeds]) for lr, got in by_lr.items() if all(s in got for s in seeds)}
+    if not full:
+        raise ValueError(f"no base LR of {arm}'s grid {grid} has every seed {seeds}; run the study to the end")
+    return min(full, key=full.get)
+
+
+def control_arms(res: dict) -> dict[str, tuple[str, float]]:
+    """{label: (arm, base LR)}: ALRS at its best and the four controls, each run at the LR the study gave it."""
+    first = res["best_lr_first_seed"]
+    return {ARM_LABELS["alrs"]: ("alrs", best_lr(res, "alrs")),
+            ARM_LABELS["scaled"]: ("uniform", res["scaled_uniform_lr"]),
+            ARM_LABELS["alrs_unpinned"]: ("alrs_unpinned", first["alrs"]),
+            ARM_LABELS["alrs_hill"]: ("alrs_hill", first["alrs"]),
+            ARM_LABELS["uniform_top"]: ("uniform_top", first["uniform"])}
+
+
+def within_seed(res: dict, arm: str, lr: float, key: str = "val_loss") -> np.ndarray:
+    """(arm at lr) − (uniform at its best base LR), seed by seed, over the seeds both have."""
+    base, got = runs_of(res, "uniform", best_lr(res, "uniform")), runs_of(res, arm, lr)
+    return np.array([got[s][key] - base[s][key] for s in res["setting"]["seeds"] if s in got and s in base])
+
+
+def mp_edges(eigenvalues, shape: tuple[int, int]) -> tuple[float, float]:
+    """The Marchenko–Pastur bulk [λ−, λ+] of WᵀW for an i.i.d. random W of this shape and the same Frobenius norm."""
+    n, m = max(shape), min(shape)
+    sigma2 = float(np.sum(eigenvalues)) / (n * m)  # Σλ = ‖W‖_F² = n·m·σ² for i.i.d. entries of variance σ²
+    return sigma2 * (np.sqrt(n) - np.sqrt(m)) ** 2, sigma2 * (np.sqrt(n) + np.sqrt(m)) ** 2
+
+
+def mp_density(x, lo: float, hi: float, shape: tuple[int, int]) -> np.ndarray:
+    """Marchenko–Pastur density of the eigenvalues of WᵀW with bulk [lo, hi] (zero outside)."""
+    q = min(shape) / max(shape)
+    sigma2 = (np.sqrt(hi) + np.sqrt(lo)) ** 2 / 4 / max(shape)  # √λ± = σ(√n ± √m), so √λ+ + √λ− = 2σ√n
+    x = np.asarray(x, dtype=float)
+    inside = (x > lo) & (x < hi)
+    out = np.zeros_like(x)
+    out[inside] = np.sqrt((hi - x[inside]) * (x[inside] - lo)) / (2 * np.pi * q * sigma2 * max(shape) * x[inside])
+    return out
+
+
+def plot_esd(spectra: dict, name: str, shape: tuple[int, int], tags: dict[str, str]) -> Figure:
+    """One matrix's eigenvalues at init and trained (one panel each) over the bulk a random matrix would have."""
+    fig = Figure(figsize=(10, 4.0))
+    axes = fig.subplots(1, len(tags))
+    for ax, (tag, label) in zip(axes, tags.items()):
+        e = np.array(spectra[tag]["eigenvalues"][name])
+        lo, hi = mp_edges(e, shape)
+        ax.hist(e, bins=24, density=True, color="C0", alpha=0.7, label="eigenvalues (histogram)")
+        x = np.linspace(0, max(e.max(), hi) * 1.05, 400)
+        ax.plot(x, mp_density(x, lo, hi, shape), "k-", lw=1.5, label="random matrix (MP bulk)")
+        ax.axvline(hi, color="r", ls=":", lw=1.5, label="bulk edge λ+")
+        n_out = int((e > hi).sum())
+        ax.set(title=f"{label}\n{n_out} of {len(e)} eigenvalues beyond λ+", xlabel="eigenvalue λ of WᵀW")
+    axes[0].set_ylabel("density p(λ)")
+    axes[0].legend(fontsize=9)
+    fig.suptitle(f"{name} ({shape[0]}×{shape[1]}): training moves eigenvalues out of the random bulk")
+    fig.tight_layout()
+    return fig
+
+
+def plot_sweep(res: dict) -> Figure:
+    """Final val loss against the base LR for each arm: mean ± sd over seeds, one dot per seed."""
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
+    for arm, color in (("uniform", "C0"), ("alrs", "C3")):
+        lrs = sorted(res["setting"]["lr_grids"][arm])
+        vals = [[r["val_loss"] for r in runs_of(res, arm, lr).values()] for lr in lrs]
+        ax.errorbar(lrs, [np.mean(v) for v in vals], yerr=[np.std(v, ddof=1) if len(v) > 1 else 0 for v in vals],
+                    fmt="o-", color=color, capsize=4, label=f"{ARM_LABELS[arm]} (mean ± sd)")
+        for lr, v in zip(lrs, vals):
+            ax.plot([lr] * len(v), v, ".", color=color, alpha=0.4)
+    steps = res["setting"]["steps"]
+    ax.set(xscale="log", xlabel="base learning rate", ylabel=f"val loss after {steps} steps (nats/token)",
+           title="ALRS is ahead of uniform LR at every base LR both tried\n(dots: seeds; each arm has its own sweep)")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_controls(res: dict) -> Figure:
+    """Each arm minus uniform LR at its best, within seed: one dot per seed, the mean as a bar."""
+    fig = Figure(figsize=(10, 4.6))
+    ax = fig.subplots()
+    labels = []
+    for i, (label, (arm, lr)) in enumerate(control_arms(res).items()):
+        d = within_seed(res, arm, lr)
+        ax.bar(i, d.mean(), color="C3" if d.mean() < 0 else "C0", alpha=0.5)
+        ax.plot([i] * len(d), d, "ko", ms=5)
+        labels.append(f"{label}\n(base LR {lr:g})".replace(", ", ",\n", 1))
+    ax.axhline(0, color="k", lw=1)
+    ax.set_xticks(range(len(labels)), labels, fontsize=9)
+    ax.set(xlabel="arm (the base LR it ran at)", ylabel="val loss − uniform at its best\n(nats/token, within seed)",
+           title="Only the arms that pin embedding and head at 5× beat uniform LR (dots: seeds)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_stable_rank(res: dict) -> Figure:
+    """Mean normalized stable rank per group, at init (seed 0) and for four arms (mean over seeds, dots: seeds)."""
+    arms = {"uniform LR, best": ("uniform", best_lr(res, "uniform")), "ALRS, best": ("alrs", best_lr(res, "alrs")),
+            ARM_LABELS["scaled"]: ("uniform", res["scaled_uniform_lr"]),
+            ARM_LABELS["uniform_top"]: ("uniform_top", res["best_lr_first_seed"]["uniform"])}
+    fig = Figure(figsize=(10, 4.4))
+    ax = fig.subplots()
+    w = 0.8 / (len(arms) + 1)
+    x = np.arange(len(SRANK_GROUPS))
+    ax.bar(x, [res["spectra"]["init"]["stable_rank"][f"srank {g}"] for g in SRANK_GROUPS], w, color="0.75", label="init (seed 0)")
+    for i, (label, (arm, lr)) in enumerate(arms.items(), start=1):
+        v = np.array([[r[f"srank {g}"] for g in SRANK_GROUPS] for r in runs_of(res, arm, lr).values()])
+        ax.bar(x + i * w, v.mean(0), w, color=f"C{i - 1}", label=label)
+        for row in v:
+            ax.plot(x + i * w, row, "k.", ms=3)
+    ax.set_xticks(x + w * len(arms) / 2, [g.replace(" ", "\n") for g in SRANK_GROUPS])
+    ax.set(xlabel="matrix group (local Q/K/V/O for attention, gate/up/down for FFN)", ylabel="mean normalized stable rank", ylim=(0, None),
+           title="Normalized stable rank after training (dots: seeds)")
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def train_losses(history: list[dict]) -> dict[int, float]:
+    """{step: training loss} of a run's logged history."""
+    return {r["step"]: r["loss"] for r in history if "loss" in r}
+
+
+def replay_gaps(history: list[dict], stored: dict) -> dict[int, float]:
+    """{step: |live − stored| training loss} at every step the stored run logged up to the live run's last step."""
+    live = train_losses(history)
+    return {s: abs(live[s] - v) for s, v in stored["train_loss"] if s <= max(live)}
+
+
+def plot_live(live: dict[str, list[dict]], stored: dict[str, dict | None], lr: float) -> Figure:
+    """The live runs' training loss (lines) over the study's logged losses of the same runs (circles)."""
+    fig = Figure(figsize=(10, 4.2))
+    ax = fig.subplots()
+    for j, (arm, history) in enumerate(live.items()):
+        loss = train_losses(history)
+        ax.plot(list(loss), list(loss.values()), color=f"C{j}", lw=1.5, label=f"{ARM_LABELS[arm]}, live")
+        if stored.get(arm):
+            st = [(s, v) for s, v in stored[arm]["train_loss"] if s <= max(loss)]
+            ax.plot(*zip(*st), "o", mfc="none", color=f"C{j}", ms=7, label=f"{ARM_LABELS[arm]}, the study's run")
+    ax.set(xlabel="training step", ylabel="training loss (nats/token)",
+           title=f"Live: the first {max(loss)} steps at base LR {lr:g}, seed 0, beside the study's runs")
+    ax.legend(fontsize=9, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))  # below the axes, covering no curve
+    fig.tight_layout()
+    return fig
+
+
+def sweep_table(res: dict) -> str:
+    """Every run of the study: arm, base LR, and the final val loss of each seed."""
+    seeds = res["setting"]["seeds"]
+    lines = [f"{'arm':>14} {'base LR':>8}  " + "  ".join(f"seed {s}" for s in seeds) + "    mean"]
+    for arm, lr in sorted({(r["arm"], r["lr"]) for r in res["runs"]}):
+        got = runs_of(res, arm, lr)
+        vals = [f"{got[s]['val_loss']:.4f}" if s in got else "   -  " for s in seeds]
+        lines.append(f"{arm:>14} {lr:8.3g}  " + "  ".join(vals) + f"  {np.mean([r['val_loss'] for r in got.values()]):.4f}")
+    return "\n".join(lines)
+
+
+def plot_allocation(run: dict) -> Figure:
+    """Alpha -> multiplier at a run's last allocation, one colour per group (embedding and head pinned at the top)."""
+    from minimal_asymloop import alrs
+
+    last = run["alrs_records"][-1]
+    fig = Figure(figsize=(8, 4.2))
+    ax = fig.subplots()
+    for grp in alrs.GROUPS:
+        names = [n for n in last["alpha"] if alrs.group_of(n) == grp]
+        if names:
+            ax.scatter([last["alpha"][n] for n in names], [last["multiplier"][n] for n in names], label=grp)
+    ax.set(xlabel="alpha (ww fit) at the last allocation", ylabel="LR multiplier m_i", ylim=(0, 5.5),
+           title=f"ALRS's allocation at step {last['step']} (seed {run['seed']}, base LR {run['lr']:g}):\n"
+                 "a straight line from the smallest alpha (×1) to the largest (×5)")
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig

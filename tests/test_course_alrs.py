@@ -1,0 +1,62 @@
+"""Notebook 05's figures and tables (minimal_asymloop.course.alrs): the Marchenko–Pastur bulk, and the ALRS study's
+numbers as notebooks/results/alrs.json holds them."""
+
+import json
+
+import numpy as np
+import torch
+
+from minimal_asymloop import alrs
+from minimal_asymloop import experiments as ex
+from minimal_asymloop.course import alrs as C
+from minimal_asymloop.paths import RESULTS
+
+RES = json.loads((RESULTS / "alrs.json").read_text())
+
+
+def test_marchenko_pastur_bulk_holds_a_random_matrix_and_not_a_spike():
+    torch.manual_seed(0)
+    w = torch.randn(512, 256) * 0.05
+    e = alrs.eigenvalues(w)
+    lo, hi = C.mp_edges(e, tuple(w.shape))
+    assert lo > 0 and 0.95 * lo < e.min() and e.max() < 1.05 * hi  # the random spectrum fills the bulk
+    x = np.linspace(lo, hi, 20001)
+    assert abs(np.trapezoid(C.mp_density(x, lo, hi, tuple(w.shape)), x) - 1) < 0.01  # a density
+    spiked = w + 0.5 * torch.randn(512, 1) @ torch.randn(1, 256) / 16
+    e2 = alrs.eigenvalues(spiked)
+    assert (e2 > C.mp_edges(e2, tuple(w.shape))[1]).sum() >= 1  # a strong direction leaves the bulk
+
+
+def test_best_lr_and_within_seed_match_the_study():
+    for arm in ("uniform", "alrs"):
+        assert C.best_lr(RES, arm) == ex.best_lr(RES["runs"], arm, RES["setting"]["seeds"], RES["setting"]["lr_grids"][arm])
+    best_u, best_a = C.best_lr(RES, "uniform"), C.best_lr(RES, "alrs")
+    u, a = C.runs_of(RES, "uniform", best_u), C.runs_of(RES, "alrs", best_a)
+    want = [a[s]["val_loss"] - u[s]["val_loss"] for s in RES["setting"]["seeds"]]
+    assert np.allclose(C.within_seed(RES, "alrs", best_a), want)
+    assert not np.allclose(C.within_seed(RES, "uniform", best_u), want)  # the baseline minus itself is zero
+
+
+def test_replay_gaps_compare_the_logged_steps_up_to_the_live_end():
+    history = [dict(step=s, loss=6.0 - s / 100) for s in range(1, 11)] + [dict(step=10, val_loss=5.0)]
+    stored = dict(train_loss=[(5, 5.95), (10, 5.80), (15, 5.0)])
+    gaps = C.replay_gaps(history, stored)
+    assert list(gaps) == [5, 10] and gaps[5] < 1e-9 and abs(gaps[10] - 0.1) < 1e-9
+
+
+def test_figures_build_with_titles_and_labels():
+    sp, name = RES["spectra"], ex.SPECTRA[0]
+    s = RES["setting"]["model"]
+    figs = [C.plot_esd(sp, name, (s["d_ff"], s["d_model"]), {"init": "init", "alrs": "ALRS"}), C.plot_sweep(RES),
+            C.plot_controls(RES), C.plot_stable_rank(RES),
+            C.plot_allocation(C.runs_of(RES, "alrs", C.best_lr(RES, "alrs"))[0])]
+    for fig in figs:
+        assert all(ax.get_xlabel() for ax in fig.axes) and fig.axes[0].get_ylabel()
+        assert fig._suptitle is not None or all(ax.get_title() for ax in fig.axes)
+
+
+def test_sweep_table_prints_every_run():
+    text = C.sweep_table(RES)
+    assert len(text.splitlines()) == 1 + len({(r["arm"], r["lr"]) for r in RES["runs"]})
+    r = RES["runs"][0]
+    assert any(line.split()[:2] == [r["arm"], f"{r['lr']:.3g}"] and f"{r['val_loss']:.4f}" in line for line in text.splitlines())

@@ -1,0 +1,45 @@
+"""Notebook 01's plumbing (minimal_asymloop/course/attention.py): the trace tables, the checks, the reuse of a build."""
+
+import json
+
+import pytest
+import torch
+
+from minimal_asymloop.course.attention import check, definitions, key_labels, show_failing, table
+
+
+def test_the_table_prints_each_value_and_splits_the_halves():
+    text = table("probs", [[0.8044, float("-inf")], [0.25, 0.75]], key_labels(1))
+    assert text.splitlines() == ["probs", "             G0 |     L0", " token 0  0.804 |   -inf",
+                                 " token 1  0.250 |  0.750"]
+    with pytest.raises(ValueError, match="3 column names for 2 columns"):
+        table("x", [[1.0, 2.0]], ["a", "b", "c"])
+
+
+def test_check_passes_within_tolerance_and_names_the_difference_otherwise(capsys):
+    a = torch.zeros(3)
+    check("same", a, a + 1e-12)
+    assert "OK      same: largest difference 1e-12" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="off: largest difference 1e-08 > tolerance 1e-10"):
+        check("off", a, a + 1e-8)
+    with pytest.raises(AssertionError, match="off: largest difference 0.5 > tolerance 1e-06"):
+        check("off", a, a + 0.5, tol=1e-6)
+
+
+def test_show_failing_prints_a_caught_check_and_refuses_a_passing_one(capsys):
+    show_failing("wrong", lambda: check("x", torch.zeros(1), torch.ones(1)))
+    assert "CAUGHT  wrong version (wrong): x: largest difference 1" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="cannot tell the two apart"):
+        show_failing("not wrong", lambda: check("x", torch.zeros(1), torch.zeros(1)))
+
+
+def test_definitions_keep_the_code_not_its_prints_and_checks(tmp_path):
+    cell = dict(cell_type="code", metadata=dict(tags=["build-it"]),
+                source="def f(x):\n    return 2 * x\n\ny = f(2)\nprint(y)\ncheck('y', y, 4)\nfor i in range(3):\n    print(i)\n"
+                       "torch.manual_seed(0)\n")
+    other = dict(cell_type="code", metadata={}, source="z = 1\n")
+    path = tmp_path / "nb.ipynb"
+    path.write_text(json.dumps(dict(cells=[cell, other])))
+    assert definitions(path, "build-it") == "def f(x):\n    return 2 * x\ny = f(2)\ntorch.manual_seed(0)"
+    with pytest.raises(ValueError, match="no code cell of .* is tagged 'trace'"):
+        definitions(path, "trace")
