@@ -1,0 +1,323 @@
+"""Figures and tables of notebook 03 (a task that needs depth): the variable-binding chain runs of
+notebooks/results/chain_task.json (depth) and chain_context.json (context access), a short live run, and the
+lookups of the committed trained models. Every figure is a bare matplotlib Figure (the caller's backend is kept)."""
+
+import json
+import time
+from dataclasses import replace
+
+import numpy as np
+import safetensors.torch
+import torch
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from minimal_asymloop import experiments as ex
+from minimal_asymloop.model import LoopedLM
+from minimal_asymloop.paths import RESULTS
+from minimal_asymloop.probes import chain_lookups
+from minimal_asymloop.tasks import ChainTask, accuracy_by_hops, train_on_task
+
+STYLE = {"dense": ("k", "s", "Dense, L = 1..4"), "asymloop": ("tab:blue", "o", "AsymLoop E=D=1, K=1..5"),
+         "full_loop": ("tab:orange", "^", "Full Loop L=2, K=2")}
+LABELS = {"asymloop_k3": "Global KV", "asymloop_k3_no_global": "without\nGlobal KV", "asymloop_k3_additive": "additive",
+          "asymloop_k3_no_local": "without\nLocal KV", "full_loop_k2": "Full Loop\nK=2", "dense_l4": "Dense\nL=4"}
+
+
+class ChainRuns:
+    """The runs of one chain experiment (chain_task or chain_context), by (name, seed)."""
+
+    def __init__(self, experiment: str):
+        data = json.loads((RESULTS / f"{experiment}.json").read_text())
+        self.command, self.setting, self.seeds = data["command"], data["setting"], data["setting"]["seeds"]
+        self.runs = {(r["name"], r["seed"]): r for r in data["runs"]}
+        self.names = list(dict.fromkeys(r["name"] for r in data["runs"]))
+        self.task = ChainTask(**self.setting["task"])
+        self.hops = list(range(1, self.task.max_hops + 1))
+
+    def run(self, name, seed):
+        return self.runs[(name, seed)]
+
+    def acc(self, name, h, k=None):
+        """Accuracy on h-hop statements per seed, at test-time K (default: the trained K)."""
+        return np.array([r["acc_by_test_k"][str(k or r["n_iter"])][str(h)] for r in self._all(name)])
+
+    def solved(self, name):
+        return np.array([r["converged"] for r in self._all(name)])
+
+    def steps(self, name):
+        """Steps to converge, solved seeds only."""
+        return np.array([r["steps"] for r in self._all(name) if r["converged"]])
+
+    def minutes(self, names=None):
+        return sum(r["seconds"] for (n, _), r in self.runs.items() if names is None or n in names) / 60
+
+    def _all(self, name):
+        return [self.runs[(name, s)] for s in self.seeds]
+
+    def table(self, names):
+        """Per-seed accuracy on 2- and 3-hop statements (*: the run converged) and steps to converge."""
+        print(f"{'model':>22} {'depth':>5} {'params':>6} {'solved':>6} {'steps, solved seeds':>26}   "
+              + "   ".join(f"{h}-hop accuracy per seed" for h in self.hops[1:]))
+        for n in names:
+            r = self.run(n, self.seeds[0])
+            st = ", ".join(f"{x:,}" for x in sorted(self.steps(n))) or "-"
+            per = "   ".join(" ".join(f"{a:.2f}{'*' if ok else ' '}" for a, ok in zip(self.acc(n, h), self.solved(n)))
+                           for h in self.hops[1:])
+            print(f"{n:>22} {r['effective_depth']:>5} {r['params'] / 1e3:>5.0f}K {self.solved(n).sum():>4}/"
+                  f"{len(self.seeds)} {st:>26}   {per}")
+
+
+def _seed_dots(ax, x, acc, ok, color, marker, label=None, spread=0.045):
+    xs = x + spread * (np.arange(len(acc)) - (len(acc) - 1) / 2)
+    ax.scatter(xs[ok], acc[ok], marker=marker, s=40, color=color, label=label)
+    ax.scatter(xs[~ok], acc[~ok], marker=marker, s=40, facecolor="white", edgecolor=color, lw=1.3)
+
+
+def _steps_panel(ax, x, st, n_failed, max_steps, color, marker, spread=0.06):
+    st = np.sort(st)
+    ax.scatter(x + spread * (np.arange(len(st)) - (len(st) - 1) / 2), st, marker=marker, s=40, color=color)
+    ax.text(x, max_steps * 1.04, f"{n_failed}", ha="center", fontsize=9, color=color)
+
+
+def plot_depth(grid: ChainRuns, names) -> Figure:
+    """Accuracy on 2- and 3-hop statements against effective depth (one dot per seed, hollow: not converged) and
+    the steps to converge of the solved seeds, with the number of failed seeds on top."""
+    fig = Figure(figsize=(11, 4.4))
+    axes = fig.subplots(1, 3)
+    max_steps = grid.setting["max_steps"]
+    for j, (arch, (color, marker, label)) in enumerate(STYLE.items()):
+        for i, n in enumerate([n for n in names if grid.run(n, grid.seeds[0])["arch"] == arch]):
+            d = grid.run(n, grid.seeds[0])["effective_depth"] + 0.28 * (j - 1)
+            for ax, h in zip(axes[:2], grid.hops[1:]):
+                _seed_dots(ax, d, grid.acc(n, h), grid.solved(n), color, marker, label if i == 0 else None)
+            _steps_panel(axes[2], d, grid.steps(n), len(grid.seeds) - grid.solved(n).sum(), max_steps, color, marker)
+    for ax, h in zip(axes[:2], grid.hops[1:]):
+        ax.set(title=f"{h}-hop statements", xlabel="effective depth (blocks per token)",
+               ylabel="accuracy, held-out programs", ylim=(0, 1.05))
+    axes[0].legend(fontsize=8, loc="lower right")
+    axes[2].axhline(max_steps, color="0.6", ls=":", lw=1)
+    axes[2].set(title="steps to converge (solved seeds)\nnumber on top: seeds that failed", ylabel="training steps",
+                xlabel="effective depth (blocks per token)", ylim=(0, max_steps * 1.12), xlim=axes[0].get_xlim())
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle("Depth 1-2 never learns the chains; from depth 3 on, some seeds do (filled: converged)")
+    fig.tight_layout()
+    return fig
+
+
+def by_test_k(grid: ChainRuns, names, hop=3):
+    """For every AsymLoop run: its `hop`-hop accuracy at test-time K = 1 .. trained K + 3, by (name, seed)."""
+    out = {}
+    for n in names:
+        for s in grid.seeds:
+            r = grid.run(n, s)
+            out[(n, s)] = np.array([r["acc_by_test_k"][str(k)][str(hop)] for k in range(1, r["n_iter"] + 4)])
+    return out
+
+
+def plot_test_depth(grid: ChainRuns, names) -> Figure:
+    """3-hop accuracy of each AsymLoop run at test-time K, solved and failed runs apart, one colour per trained K."""
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2, sharey=True)
+    curves = by_test_k(grid, names)
+    for j, n in enumerate(names):
+        color = plt_color(j, len(names))
+        for s in grid.seeds:
+            r, a = grid.run(n, s), curves[(n, s)]
+            ax = axes[0] if r["converged"] else axes[1]
+            ax.plot(np.arange(1, len(a) + 1), a, "-o", ms=3, lw=1.2, color=color)
+            ax.plot(r["n_iter"], a[r["n_iter"] - 1], "*", ms=12, color=color)
+    handles = [axes[0].plot([], [], "-o", color=plt_color(j, len(names)), label=f"trained K={grid.run(n, grid.seeds[0])['n_iter']}")[0]
+               for j, n in enumerate(names)]
+    n_ok = sum(grid.solved(n).sum() for n in names)
+    for ax, what, m in zip(axes, ("solved", "failed"), (n_ok, len(names) * len(grid.seeds) - n_ok)):
+        ax.set(title=f"{what} runs ({m})", xlabel="iterations K at test time (★: the trained K)", ylim=(0, 1.05))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].set_ylabel("3-hop accuracy, held-out programs")
+    axes[1].legend(handles=handles, fontsize=9, loc="lower right")
+    fig.suptitle("Solved runs need their trained iterations and keep the answer past them; iterating on rescues no failed run")
+    fig.tight_layout()
+    return fig
+
+
+def plt_color(j, n):
+    return colormaps["viridis"](j / max(n, 1))
+
+
+def plot_context(ctx: ChainRuns, names) -> Figure:
+    """Effective depth 4, the context-access variants beside Full Loop and Dense: one dot per seed, steps to converge."""
+    fig = Figure(figsize=(11, 4.6))
+    axes = fig.subplots(1, 3)
+    max_steps = ctx.setting["max_steps"]
+    for i, n in enumerate(names):
+        color, marker, _ = STYLE[ctx.run(n, ctx.seeds[0])["arch"]]
+        for ax, h in zip(axes[:2], ctx.hops[1:]):
+            _seed_dots(ax, i, ctx.acc(n, h), ctx.solved(n), color, marker, spread=0.1)
+        _steps_panel(axes[2], i, ctx.steps(n), len(ctx.seeds) - ctx.solved(n).sum(), max_steps, color, marker, 0.12)
+    for ax, h in zip(axes[:2], ctx.hops[1:]):
+        ax.set(title=f"{h}-hop statements", ylabel="accuracy, held-out programs", ylim=(0, 1.05))
+    axes[2].axhline(max_steps, color="0.6", ls=":", lw=1)
+    axes[2].set(title="steps to converge (solved seeds)\nnumber on top: seeds that failed", ylabel="training steps",
+                ylim=(0, max_steps * 1.12))
+    for ax in axes:
+        ax.set_xticks(range(len(names)), [LABELS[n] for n in names], fontsize=8, rotation=90)
+    fig.suptitle("Effective depth 4, 5 seeds each: additive injection never converges (filled: converged)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_curves(runs: ChainRuns, names, h=3, title="") -> Figure:
+    """h-hop accuracy during training, one panel per model, one line per seed (dashed: not converged)."""
+    fig = Figure(figsize=(min(11, 2.7 * len(names)), 3.3))
+    axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
+    for ax, n in zip(axes, names):
+        for j, s in enumerate(runs.seeds):
+            r = runs.run(n, s)
+            steps, a = zip(*[(st, acc[str(h)]) for st, acc in r["curve"]])
+            ax.plot(steps, a, "-" if r["converged"] else "--", color=f"C{j}", lw=1.4, label=f"seed {s}")
+        ax.set(title=n, xlabel="training step", xlim=(0, runs.setting["max_steps"]), ylim=(0, 1.05))
+        ax.title.set_fontsize(9)
+        ax.xaxis.set_major_locator(MaxNLocator(3))
+    axes[0].set_ylabel(f"{h}-hop accuracy")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(runs.seeds), fontsize=9)
+    fig.suptitle(title + " (dashed: not converged)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+# ----------------------------------------------------------------------------- live
+
+
+class _TaskOn(ChainTask):
+    """The chain task with its batches on a device."""
+
+    device = "cpu"
+
+    def batch(self, *args):
+        return tuple(t.to(self.device) for t in super().batch(*args))
+
+
+def train_live(setting: dict, variants: dict, seed: int, max_steps: int, device="cpu") -> dict:
+    """Train AsymLoop E=D=1 (chain_models' asymloop_k3, changed by each variant's fields) as the committed runs do
+    (same seed, programs and LR schedule), checking every 125 steps; stop at convergence or after max_steps.
+    Returns {label: [(step, {hops: accuracy}), ...]}."""
+    task = _TaskOn(**setting["task"])
+    task.device = device
+    out = {}
+    for label, fields in variants.items():
+        torch.manual_seed(seed)  # as the committed runs: the seed builds the model, then seeds the programs
+        model = LoopedLM(replace(ex.chain_models(task)["asymloop_k3"], **fields)).to(device)
+        curve = []
+
+        def check(step, m, curve=curve):
+            curve.append((step, accuracy_by_hops(m, task, n=setting["eval_programs"])))
+            return min(curve[-1][1].values()) >= setting["converged"] or step >= max_steps
+
+        t0 = time.time()
+        train_on_task(model, task, steps=setting["max_steps"], batch_size=setting["batch"], lr=setting["lr"],
+                      seed=seed, check_every=setting["check_every"] // 2, check=check)
+        out[label] = curve
+        print(f"{label:>24}: {curve[-1][0]:>5} steps in {time.time() - t0:3.0f} s; accuracy by hops "
+              + " ".join(f"{h}: {a:.2f}" for h, a in curve[-1][1].items()))
+    return out
+
+
+def plot_live(live: dict, committed: dict, title: str) -> Figure:
+    """Live 2- and 3-hop accuracy per variant; `committed` {label: run dict or None} draws that run's curve dotted."""
+    fig = Figure(figsize=(11, 3.8))
+    axes = fig.subplots(1, 2, sharey=True)
+    last = max(c[-1][0] for c in live.values())
+    for j, (label, curve) in enumerate(live.items()):
+        for ax, h in zip(axes, (2, 3)):
+            ax.plot(*zip(*[(s, a[h]) for s, a in curve]), "-o", ms=4, color=f"C{j}", label=f"{label}, live")
+            run = committed.get(label)
+            if run:
+                pts = [(s, a[str(h)]) for s, a in run["curve"] if s <= last + 250]
+                ax.plot(*zip(*pts), ":", lw=2, color=f"C{j}", label=f"{label}, committed run")
+    for ax, h in zip(axes, (2, 3)):
+        ax.set(title=f"{h}-hop statements", xlabel="training step", ylim=(0, 1.05))
+    axes[0].set_ylabel("accuracy, held-out programs")
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------- lookups
+
+
+def load_trained(runs: ChainRuns, device="cpu") -> dict:
+    """The committed trained models (notebooks/results/chain_weights/), each checked against its run's recorded
+    accuracy (a mismatch raises): {(name, seed): model}."""
+    models = {}
+    for path in sorted((RESULTS / "chain_weights").glob("*.safetensors")):
+        name, seed = path.stem.rsplit("-s", 1)
+        m = LoopedLM(ex.chain_models(runs.task)[name]).eval()
+        m.load_state_dict(safetensors.torch.load_file(path))
+        now, then = accuracy_by_hops(m, runs.task, n=runs.setting["eval_programs"]), runs.run(name, int(seed))
+        stored = {h: then["acc_by_test_k"][str(m.config.n_iter)][str(h)] for h in now}
+        if any(abs(now[h] - stored[h]) > 1e-6 for h in now):
+            raise ValueError(f"{path.name}: accuracy {now} differs from its run's {stored}; the weights are not that run's")
+        print(f"{name} seed {seed}: accuracy by hops " + " ".join(f"{a:.3f}" for a in now.values())
+              + f", as its run (converged after {then['steps']:,} steps)")
+        models[(name, int(seed))] = m.to(device)
+    return models
+
+
+def lookups(runs: ChainRuns, models: dict) -> tuple[dict, torch.Tensor]:
+    """chain_lookups of every model on the held-out programs of the accuracy checks, and each query's hop count."""
+    idx, _, hops = runs.task.batch(runs.setting["eval_programs"], torch.Generator().manual_seed(1234))
+    return {key: chain_lookups(m.cpu(), runs.task, idx) for key, m in models.items()}, hops[:, 2::4]
+
+
+def shares(lk: dict, qhops, h: int) -> np.ndarray:
+    """(K, J, 2): share of h-hop queries' attention on the statement j back (j = 0..3), Global | Local half,
+    mean over the queries and the heads of decoder layer 0."""
+    return lk["stmt"][:, 0, :, qhops == h].mean((1, 2)).numpy()
+
+
+def head_shares(lk: dict, qhops, h: int) -> np.ndarray:
+    """(K, heads, J): per head, both halves summed, mean over the h-hop queries."""
+    return lk["stmt"][:, 0, :, qhops == h].mean(2).sum(-1).numpy()
+
+
+def plot_lookups(look: dict, qhops) -> Figure:
+    """Where 3-hop queries look at each iteration: j=1 (the variable's definition) and j=2 (the one before), per
+    half, one column per trained model."""
+    keys = list(look)
+    fig = Figure(figsize=(11, 3.6))
+    axes = fig.subplots(1, len(keys), sharey=True, squeeze=False)[0]
+    its = np.arange(1, 4)
+    style = {(1, 0): ("tab:red", "--", "j=1 via Global"), (1, 1): ("tab:red", "-", "j=1 via Local"),
+             (2, 0): ("tab:blue", "--", "j=2 via Global"), (2, 1): ("tab:blue", "-", "j=2 via Local")}
+    for ax, key in zip(axes, keys):
+        b = shares(look[key], qhops, 3)
+        for (j, half), (color, ls, lab) in style.items():
+            ax.plot(its, b[:, j, half], ls, marker="o", ms=4, color=color, label=lab)
+        ax.set_title(f"{'both halves' if key[0] == 'asymloop_k3' else 'without Local KV'}\nseed {key[1]}", fontsize=10)
+        ax.set(xticks=its, xlabel="iteration", ylim=(0, 0.85))
+    axes[0].set_ylabel("share of attention\n(mean over heads)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=9)
+    fig.suptitle("3-hop queries: without Local KV iteration k looks k statements back; with it, iteration 2 looks at "
+                 "j=1 again, via Local", fontsize=11)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+def lookup_claims(lk: dict, qhops, local: bool) -> bool:
+    """3-hop queries, mean over heads (S: both halves summed). Without Local KV: iteration 1 looks at j=1 and
+    iteration 2 at j=2, each with over 0.4 and over twice the other's share. With both halves: iteration 2 looks at
+    j=1 again (over 0.2, 1.5 times its share on j=2), mostly through Local (twice its Global share)."""
+    b = shares(lk, qhops, 3)
+    s = b.sum(-1)
+    if not local:
+        return bool(s[0, 1] > 0.4 and s[0, 1] > 2 * s[0, 2] and s[1, 2] > 0.4 and s[1, 2] > 2 * s[1, 1])
+    return bool(s[1, 1] > 0.2 and s[1, 1] > 1.5 * s[1, 2] and b[1, 1, 1] > 2 * b[1, 1, 0])
+
+
+def untrained_lookups(runs: ChainRuns, seed: int = 0) -> dict:
+    """chain_lookups of AsymLoop K=3 at initialisation (seed `seed`), on the same programs: the reference."""
+    torch.manual_seed(seed)
+    return lookups(runs, {"init": LoopedLM(ex.chain_models(runs.task)["asymloop_k3"]).eval()})[0]["init"]

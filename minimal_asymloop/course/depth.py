@@ -1,0 +1,227 @@
+"""Figures and tables of notebook 02 (what iterating the decoder does on language): the runs of
+notebooks/results/matched_depth.json and global_kv.json beside the paper's tables, each number named with its
+table, row and recipe. Every figure is a bare matplotlib Figure (the caller's backend is kept)."""
+
+import json
+import math
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from minimal_asymloop import experiments as ex
+from minimal_asymloop.flops import count_params
+from minimal_asymloop.model import ModelConfig
+from minimal_asymloop.paths import RESULTS
+
+# The paper (Liang et al., 2026), 60M models, 1.68B tokens. Validation perplexity unless said otherwise.
+# Table 3 (matched depth): AsymLoop trained with ALRS (the paper's main recipe).
+TABLE3 = {"dense": 23.72, "asymloop_k1": 21.79, "full_loop_k2": 23.03, "asymloop_k3": 21.45, "full_loop_k3": 22.77,
+          "asymloop_k5": 21.30}
+# Table 7 (context access, K=3; Full Loop K=2): QKNorm and uniform LR in every model.
+TABLE7 = {"asymloop_k3": 24.727, "asymloop_k3_no_global": 25.566, "asymloop_k3_additive": 25.116, "full_loop_k2": 25.053}
+# Table 4 (a), uniform-LR rows at K=3 and K=5: AsymLoop and "w/o Local KV".
+TABLE4A = {3: {"asymloop": 24.727, "no_local": 25.656}, 5: {"asymloop": 24.619, "no_local": 25.465}}
+# Table 6: G(K) = validation CE without Global KV minus with it (nats/token), QKNorm and uniform LR.
+TABLE6 = {1: 0.021611, 3: 0.033343, 5: 0.044968}
+PAIRS = [("dense", "asymloop_k1"), ("full_loop_k2", "asymloop_k3"), ("full_loop_k3", "asymloop_k5")]
+
+
+def paper_tokens_per_param() -> float:
+    """The paper's 60M AsymLoop: 1.68B tokens over every parameter (embedding and untied head included)."""
+    return 1.68e9 / count_params(ModelConfig.from_preset("60m", arch="asymloop"))
+
+
+class LMRuns:
+    """The language-model runs of matched_depth and global_kv, by (name, seed)."""
+
+    def __init__(self):
+        self.md = json.loads((RESULTS / "matched_depth.json").read_text())
+        self.gk = json.loads((RESULTS / "global_kv.json").read_text())
+        self.setting, self.seeds = self.md["setting"], self.md["setting"]["seeds"]
+        self.runs = {(r["name"], r["seed"]): r for r in self.md["runs"] + self.gk["runs"]}
+        self.tpp = self.setting["budget"]["tokens_per_param"]
+
+    def have(self, name):
+        return all((name, s) in self.runs for s in self.seeds)
+
+    def loss(self, name) -> np.ndarray:
+        """Final validation loss (nats/token), one value per seed."""
+        return np.array([self.runs[(name, s)]["val_loss"] for s in self.seeds])
+
+    def lens(self, name) -> np.ndarray:
+        """(seeds, k = 1..8): loss when the head reads z_k."""
+        return np.array([self.runs[(name, s)]["lens_loss"] for s in self.seeds])
+
+    def n_iter(self, name):
+        return self.runs[(name, self.seeds[0])]["n_iter"]
+
+    def describe(self):
+        s, b = self.setting, self.setting["budget"]
+        print(f"our runs: L={s['model']['n_layer']} blocks of width {s['model']['d_model']} (AsymLoop E=D=2), "
+              f"QKNorm in every model, uniform LR {s['train']['lr']}, {s['steps']} steps x {s['train']['global_batch']} x "
+              f"{s['train']['seq_len']} tokens = {b['tokens_per_param']:.1f} tokens/param; seeds {self.seeds}")
+        for r in (self.md, self.gk):
+            print(f"  {r['command']}: {len(r['runs'])} runs, {sum(x['seconds'] for x in r['runs']) / 60:.0f} min of "
+                  f"training on one thread of a shared 2-core CPU")
+        print(f"the paper's 60M models: 1.68B tokens = {paper_tokens_per_param():.1f} tokens/param")
+
+
+def ms(x, f="+.3f"):
+    return f"{np.mean(x):{f}} ± {np.std(x, ddof=1):.3f}"
+
+
+def matched_depth(runs: LMRuns) -> dict:
+    """Print AsymLoop minus its matched-depth baseline, within seed, beside Table 3 (ALRS) and Table 7 (uniform LR);
+    return {(baseline, asymloop): per-seed differences}."""
+    diffs = {(b, a): runs.loss(a) - runs.loss(b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
+    print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better)")
+    print(f"{'pair (effective depth)':>32} | {'Table 3: ALRS, 60M':>19} | {'Table 7: uniform, 60M':>21} | "
+          f"{'ours: uniform, ' + format(runs.tpp, '.1f') + ' tok/param':>26} | per seed")
+    for base, asym in PAIRS:
+        depth = runs.runs[(asym, runs.seeds[0])]["effective_depth"] if runs.have(asym) else "?"
+        t3 = math.log(TABLE3[asym] / TABLE3[base])
+        t7 = f"{math.log(TABLE7[asym] / TABLE7[base]):+.3f}" if base in TABLE7 and asym in TABLE7 else "no run"
+        d = diffs.get((base, asym))
+        ours = ms(d) if d is not None else "not run"
+        per = " ".join(f"{x:+.3f}" for x in d) if d is not None else ""
+        print(f"{asym + ' - ' + base + f' ({depth})':>32} | {t3:>+19.3f} | {t7:>21} | {ours:>26} | {per}")
+    return diffs
+
+
+def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
+    """Left: validation loss against effective depth. Right: AsymLoop minus its baseline, one dot per seed, beside
+    Table 7 (the paper's run of our recipe)."""
+    fig = Figure(figsize=(11, 4.4))
+    axes = fig.subplots(1, 2)
+    ax = axes[0]
+    for arch, (color, marker) in {"dense": ("k", "s"), "full_loop": ("tab:orange", "^"), "asymloop": ("tab:blue", "o")}.items():
+        names = [n for b, a in PAIRS for n in (b, a) if runs.have(n) and runs.runs[(n, runs.seeds[0])]["arch"] == arch]
+        depth = [runs.runs[(n, runs.seeds[0])]["effective_depth"] for n in names]
+        y = np.array([runs.loss(n) for n in names])
+        ax.errorbar(depth, y.mean(1), yerr=y.std(1, ddof=1), color=color, marker=marker, capsize=4, label=arch)
+    ax.set(xlabel="effective depth (blocks per token)", ylabel="validation loss (nats/token)",
+           title=f"Validation loss at {runs.tpp:.1f} tokens/param\n(mean ± std over {len(runs.seeds)} seeds)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend()
+    ax = axes[1]
+    for i, ((base, asym), d) in enumerate(diffs.items()):
+        ax.plot([i - 0.1] * len(d), d, "o", color="tab:blue", ms=7, alpha=0.7, label="ours, each seed" if i == 0 else None)
+        if base in TABLE7 and asym in TABLE7:
+            ax.plot(i + 0.1, math.log(TABLE7[asym] / TABLE7[base]), "s", color="k", ms=8, label="paper, Table 7 (uniform LR)")
+        ax.plot(i + 0.1, math.log(TABLE3[asym] / TABLE3[base]), "x", color="0.5", ms=8, mew=2,
+                label="paper, Table 3 (ALRS: another recipe)" if i == 0 else None)
+    ax.axhline(0, color="0.6", lw=0.8)
+    ax.set_xticks(range(len(diffs)), [f"{a}\n− {b}" for b, a in diffs], fontsize=9)
+    ax.set(xlim=(-0.5, len(diffs) - 0.5), ylabel="Δ validation loss (nats/token)",
+           title="AsymLoop − matched-depth baseline, within seed\n(below 0: AsymLoop better)")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def lens_names(runs: LMRuns):
+    return [n for n in ("asymloop_k1", "asymloop_k3", "asymloop_k5", "full_loop_k2", "full_loop_k3") if runs.have(n)]
+
+
+def plot_lens(runs: LMRuns, init=None) -> Figure:
+    """Loss when the head reads z_k, k = 1..8, per trained model (★: its trained K), mean ± std over seeds; `init`:
+    an untrained model's lens, drawn as the reference."""
+    fig = Figure(figsize=(9, 4.5))
+    ax = fig.subplots()
+    ks = np.arange(1, ex.MAX_TEST_K + 1)
+    for j, n in enumerate(lens_names(runs)):
+        c, k = runs.lens(n), runs.n_iter(n)
+        off = 0.05 * (j - 2)
+        ax.errorbar(ks + off, c.mean(0), yerr=c.std(0, ddof=1), marker="o" if "asym" in n else "^", color=f"C{j}",
+                    capsize=3, label=f"{n} (trained K={k})")
+        ax.plot([k + off], [c.mean(0)[k - 1]], "*", color=f"C{j}", ms=16, mec="k")
+    ref = "" if init is None else f"; untrained: {min(init):.2f}-{max(init):.2f} at every k, off this scale"
+    ax.set(xlabel="iteration k whose state the head reads (★: the trained K)", ylabel="loss, held-out windows (nats/token)",
+           title=f"Each trained iteration lowers the loss; iterating past the trained K raises it\n"
+                 f"(mean ± std over {len(runs.seeds)} seeds, {runs.tpp:.1f} tokens/param{ref})")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def gains(runs: LMRuns) -> dict:
+    """G(K) per seed = loss without Global KV minus with it. At K=1 the model without Global KV is Dense (E + D = L)."""
+    no_global = {1: "dense", 3: "asymloop_k3_no_global", 5: "asymloop_k5_no_global"}
+    return {k: runs.loss(no_global[k]) - runs.loss(f"asymloop_k{k}") for k in (1, 3, 5)
+            if runs.have(no_global[k]) and runs.have(f"asymloop_k{k}")}
+
+
+def gain_table(runs: LMRuns, g: dict):
+    print(f"G(K) = loss without Global KV minus with it, nats/token | paper: Table 6, 60M, uniform LR, "
+          f"{paper_tokens_per_param():.1f} tokens/param | ours: uniform LR, {runs.tpp:.1f} tokens/param")
+    print(f"{'K':>2} {'Table 6':>8} {'ours, mean ± std':>18}   per seed")
+    for k, x in g.items():
+        print(f"{k:>2} {TABLE6[k]:>8.3f} {ms(x):>18}   " + " ".join(f"{v:+.3f}" for v in x))
+
+
+def context_table(runs: LMRuns, k: int):
+    """Each context-access variant at K minus AsymLoop K with Global KV, within seed; the paper's K=3 beside it."""
+    print(f"K={k}: variant minus AsymLoop with Global KV (nats/token; above 0: the variant is worse)")
+    print(f"{'variant':>22} {'paper (uniform LR, 60M)':>28} {'ours, mean ± std':>18}   per seed")
+    ref = runs.loss(f"asymloop_k{k}")
+    for v in ("no_global", "additive", "no_local"):
+        n = f"asymloop_k{k}_{v}"
+        if k in TABLE4A and v == "no_local":
+            paper = f"Table 4a {math.log(TABLE4A[k]['no_local'] / TABLE4A[k]['asymloop']):+.3f}"
+        elif k == 3 and n in TABLE7:
+            paper = f"Table 7 {math.log(TABLE7[n] / TABLE7['asymloop_k3']):+.3f}"
+        else:
+            paper = "no run"
+        if runs.have(n):
+            d = runs.loss(n) - ref
+            print(f"{n:>22} {paper:>28} {ms(d):>18}   " + " ".join(f"{x:+.3f}" for x in d))
+        else:
+            print(f"{n:>22} {paper:>28} {'not run':>18}")
+
+
+def plot_gain(runs: LMRuns, g: dict) -> Figure:
+    fig = Figure(figsize=(7.5, 4.2))
+    ax = fig.subplots()
+    kk = sorted(g)
+    y = np.array([g[k] for k in kk])  # (K values, seeds)
+    for i in range(y.shape[1]):
+        ax.plot(kk, y[:, i], "o-", color="tab:blue", alpha=0.5, ms=7, label="ours, each seed" if i == 0 else None)
+    ax.plot(kk, y.mean(1), "D-", color="tab:blue", ms=8, label=f"ours, mean ({runs.tpp:.1f} tokens/param)")
+    ax.plot(list(TABLE6), list(TABLE6.values()), "ks--", label="paper, Table 6 (60M, uniform LR)")
+    ax.axhline(0, color="0.6", lw=0.8)
+    ax.set(xticks=[1, 3, 5], xlabel="decoder iterations K", ylabel="G(K) = loss without − with\nGlobal KV (nats/token)",
+           title="The Global KV gain grows with K, as in Table 6,\nbut varies widely between our seeds")
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_gaps(runs: LMRuns, names, ref="asymloop_k3", window=20) -> Figure:
+    """Training loss of each model minus `ref`'s in the same seed (same batches), smoothed over `window` steps."""
+    def smooth(n, s):
+        return np.convolve([x[1] for x in runs.runs[(n, s)]["train_loss"]], np.ones(window) / window, mode="valid")
+    fig = Figure(figsize=(11, 3.8))
+    axes = fig.subplots(1, len(runs.seeds), sharey=True)
+    for ax, s in zip(axes, runs.seeds):
+        base = smooth(ref, s)
+        for j, n in enumerate(names):
+            ax.plot(np.arange(window, window + len(base)), smooth(n, s) - base, color=f"C{j + 1}", label=n)
+        ax.axhline(0, color="0.6", lw=0.8)
+        ax.set(xlabel="training step", title=f"seed {s}")
+    axes[0].set_ylabel(f"training loss − {ref}'s\n(nats/token)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=9)
+    fig.suptitle(f"Training loss relative to {ref} (same seed, same batches; above 0: behind it)")
+    fig.tight_layout(rect=(0, 0.17, 1, 1))
+    return fig
+
+
+def per_seed_table(runs: LMRuns, names):
+    print(f"{'model':>22} {'depth':>5} {'params':>8} " + " ".join(f"{'seed ' + str(s):>8}" for s in runs.seeds)
+          + f" {'mean ± std':>16}")
+    for n in names:
+        if runs.have(n):
+            r = runs.runs[(n, runs.seeds[0])]
+            print(f"{n:>22} {r['effective_depth']:>5} {r['params'] / 1e6:>7.3f}M "
+                  + " ".join(f"{x:>8.4f}" for x in runs.loss(n)) + f" {ms(runs.loss(n), '.4f'):>16}")

@@ -1,0 +1,47 @@
+"""notebooks/03's figures and tables (minimal_asymloop.course.chain): per-seed numbers straight from the JSON, the
+lookup claims false at initialisation, figures built without pyplot."""
+
+import json
+
+import matplotlib.pyplot as plt
+import pytest
+
+from minimal_asymloop.course import chain
+from minimal_asymloop.paths import RESULTS
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return chain.ChainRuns("chain_context")
+
+
+def test_counts_and_steps_are_the_json(ctx):
+    rows = json.loads((RESULTS / "chain_context.json").read_text())["runs"]
+    for name in chain.LABELS:
+        mine = [r for r in rows if r["name"] == name]
+        assert ctx.solved(name).sum() == sum(r["converged"] for r in mine)
+        assert sorted(ctx.steps(name)) == sorted(r["steps"] for r in mine if r["converged"])  # failed seeds left out
+
+
+def test_accuracy_at_test_time_k(ctx):
+    r = ctx.run("asymloop_k3", 1)
+    assert ctx.acc("asymloop_k3", 3, k=1)[1] == r["acc_by_test_k"]["1"]["3"]
+    assert ctx.acc("asymloop_k3", 3)[1] == r["acc_by_test_k"]["3"]["3"]  # default: the trained K
+
+
+def test_lookup_claims_fail_at_initialisation(ctx):
+    init = chain.untrained_lookups(ctx, seed=0)
+    _, qhops = chain.lookups(ctx, {})
+    assert not chain.lookup_claims(init, qhops, local=True) and not chain.lookup_claims(init, qhops, local=False)
+
+
+def test_figures_build_without_pyplot(ctx):
+    grid = chain.ChainRuns("chain_task")
+    sweep = [n for n in grid.names if not n.startswith("asymloop_k3_")]
+    figs = [chain.plot_depth(grid, sweep), chain.plot_test_depth(grid, ["asymloop_k2", "asymloop_k3"]),
+            chain.plot_context(ctx, list(chain.LABELS)), chain.plot_curves(ctx, ["asymloop_k3"])]
+    assert plt.get_fignums() == []
+    for fig in figs:
+        assert fig._suptitle is not None and fig.axes[0].get_ylabel()
+    legend = figs[1].axes[1].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["trained K=2", "trained K=3"]  # one entry per trained K

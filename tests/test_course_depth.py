@@ -1,0 +1,53 @@
+"""notebooks/02's figures and tables (minimal_asymloop.course.depth): the numbers it prints are the JSON's and the
+paper's, and its figures build without pyplot."""
+
+import json
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+
+from minimal_asymloop.course import depth
+from minimal_asymloop.paths import RESULTS
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return depth.LMRuns()
+
+
+def test_paper_constants_agree_with_each_other():
+    # Table 6 gives G(K) as a CE difference: its rows 3.260346 - 3.238735 etc.; Table 7 and Table 4a share AsymLoop
+    # (uniform LR, K=3) at 24.727
+    ce = {1: (3.260346, 3.238735), 3: (3.241257, 3.207915), 5: (3.248483, 3.203515)}  # w/o Global KV, AsymLoop
+    assert depth.TABLE6 == {k: pytest.approx(a - b, abs=2e-6) for k, (a, b) in ce.items()}  # rounded CE in the table
+    assert depth.TABLE7["asymloop_k3"] == depth.TABLE4A[3]["asymloop"] == 24.727
+    assert depth.TABLE7["asymloop_k3_no_global"] == 25.566  # Table 4a's "w/o Global KV" at K=3 is the same run
+
+
+def test_loss_is_the_json_per_seed(runs):
+    md = json.loads((RESULTS / "matched_depth.json").read_text())
+    rows = {(r["name"], r["seed"]): r["val_loss"] for r in md["runs"]}
+    assert list(runs.loss("asymloop_k3")) == [rows[("asymloop_k3", s)] for s in md["setting"]["seeds"]]
+
+
+def test_gain_at_k1_is_the_dense_pair_with_its_sign_flipped(runs):
+    g = depth.gains(runs)
+    assert np.allclose(g[1], -(runs.loss("asymloop_k1") - runs.loss("dense")))
+    assert set(g) == {1, 3, 5}
+
+
+def test_context_table_names_the_paper_table_of_each_row(runs, capsys):
+    depth.context_table(runs, 5)
+    out = capsys.readouterr().out
+    assert f"Table 4a {math.log(25.465 / 24.619):+.3f}" in out  # without Local KV at K=5, Table 4a's uniform rows
+    assert "asymloop_k5_additive" in out and "Table 7" not in out  # Table 7 has no K=5 run
+
+
+def test_figures_build_without_pyplot(runs):
+    figs = [depth.plot_matched(runs, depth.matched_depth(runs)), depth.plot_lens(runs, init=[6.9] * 8),
+            depth.plot_gain(runs, depth.gains(runs)), depth.plot_gaps(runs, ["full_loop_k2"])]
+    assert plt.get_fignums() == []
+    for fig in figs:
+        assert all(ax.get_ylabel() for ax in fig.axes[:1]) and (fig._suptitle or fig.axes[0].get_title())
