@@ -1,6 +1,7 @@
 """Notebook 01's plumbing (minimal_asymloop/course/attention.py): the trace tables, the checks, the reuse of a build."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -41,5 +42,37 @@ def test_definitions_keep_the_code_not_its_prints_and_checks(tmp_path):
     path = tmp_path / "nb.ipynb"
     path.write_text(json.dumps(dict(cells=[cell, other])))
     assert definitions(path, "build-it") == "def f(x):\n    return 2 * x\ny = f(2)\ntorch.manual_seed(0)"
+    assert definitions(path, "build-it", functions_only=True) == "def f(x):\n    return 2 * x"
     with pytest.raises(ValueError, match="no code cell of .* is tagged 'trace'"):
         definitions(path, "trace")
+
+
+# Notebook 01's "Break it yourself" edits: (the line as committed, the reader's edit, what the markdown says they see)
+EDITS = [
+    ("    s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)", "    pass",
+     "largest difference 0.41 > tolerance 1e-10"),
+    ("out.append((rope(k), heads(", "out.append((k, heads(",
+     "layer 0: K^G == the package's: largest difference 3.7 > tolerance 1e-10"),
+    ("return rms_norm(decoder_loop(model, H, n_iter)[-1], model.norm.weight) @ model.head.weight.T",
+     "return decoder_loop(model, H, n_iter)[-1] @ model.head.weight.T",
+     "logits == LoopedLM's: largest difference 0.69 > tolerance 1e-10"),
+]
+
+
+def test_the_edits_notebook_01_asks_for_fail_their_checks_as_its_text_says():
+    """Run notebook 01's code cells in order; before each cell that holds an edited line, run its edited copy on a
+    copy of the namespace: its check must raise the AssertionError the markdown quotes."""
+    from minimal_asymloop.paths import REPO
+
+    cells = json.loads((REPO / "notebooks" / "01_joint_attention.ipynb").read_text())["cells"]
+    text = " ".join(" ".join("".join(c["source"]).split()) for c in cells if c["cell_type"] == "markdown")
+    ns, seen = {}, []
+    for src in ("".join(c["source"]) for c in cells if c["cell_type"] == "code"):
+        for line, edit, message in EDITS:
+            if line in src:
+                assert message in text, f"notebook 01's text no longer says what the edit gives: {message}"
+                with pytest.raises(AssertionError, match=re.escape(message)):
+                    exec(src.replace(line, edit), dict(ns))
+                seen.append(line)
+        exec(src, ns)
+    assert len(seen) == len(EDITS), f"edited lines not found in notebook 01: {set(e[0] for e in EDITS) - set(seen)}"

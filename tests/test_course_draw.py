@@ -19,7 +19,17 @@ def test_every_highlight_builds_a_figure(highlight):
 
 def test_the_figure_unrolls_k_columns():
     texts = [t.get_text() for t in asymloop_figure(n_iter=5).axes[0].texts]
-    assert sum(t.startswith("iteration $k=") for t in texts) == 5 and "from $z_{4}$" in " ".join(texts)
+    assert sum(t.startswith("iteration $k=") for t in texts) == 5 and "$z_{4}$" in texts
+
+
+def test_each_decoder_layer_projects_its_own_input_and_reads_its_own_global_kv():
+    """Only layer 1 of an iteration reads z_{k-1}; every layer l has its own (K^G_l, V^G_l) (Section 3.2)."""
+    texts = [t.get_text() for t in asymloop_figure(n_iter=3).axes[0].texts]
+    assert not any("from $z_" in t for t in texts)
+    assert texts.count("decoder layer $1$") == texts.count("decoder layer $D$") == 3
+    assert texts.count("$K^G_1, V^G_1$") == texts.count("$K^G_D, V^G_D$") == 3
+    assert "one softmax, $[K^G_D ; K^L]$" in texts
+    assert "z_{k-1}" not in mask_figure(n=3).axes[0].get_xlabel()
 
 
 def test_a_bad_highlight_names_the_choices():

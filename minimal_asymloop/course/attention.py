@@ -62,9 +62,10 @@ def show_failing(label: str, run):
     raise RuntimeError(f"the check passed on a wrong version ({label}); it cannot tell the two apart")
 
 
-def definitions(path, tag: str) -> str:
+def definitions(path, tag: str, functions_only: bool = False) -> str:
     """The code of a notebook's cells tagged `tag` without what only prints or checks (calls of print, show, check and
-    show_failing, and `for` loops): a solutions notebook execs it to reuse the notebook's build as it is."""
+    show_failing, and `for` loops), or with functions_only its `def`s alone (none of its forward or backward passes):
+    a solutions notebook execs it to reuse the notebook's build as it is."""
     import ast
     import json
     from pathlib import Path
@@ -75,6 +76,8 @@ def definitions(path, tag: str) -> str:
         raise ValueError(f"no code cell of {path} is tagged {tag!r}; tag the cells to reuse in their metadata")
 
     def shown_only(node):
+        if functions_only:
+            return not isinstance(node, ast.FunctionDef)
         call = node.value if isinstance(node, ast.Expr) else None
         named = isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
         return isinstance(node, ast.For) or (named and call.func.id in ("print", "show", "check", "show_failing"))

@@ -13,7 +13,7 @@ HIGHLIGHTS = ("encoder", "global_kv", "joint_attention", "loop", "head")
 MAX_ITER = 5  # more columns than this no longer fit a notebook's width
 COLORS = {"encoder": "#4C72B0", "global_kv": "#DD8452", "joint_attention": "#8172B3", "loop": "#55A868",
           "head": "#595959"}
-GREY = "#C8C8C8"
+GREY = "#B4B4B4"
 FONT = 10.5
 
 
@@ -44,7 +44,7 @@ class _Canvas:
         return COLORS[part] if self.highlight in (None, part) else GREY
 
     def ink(self, part):  # text colour: dark when the part is shown, grey when it is greyed out
-        return "black" if part is None or self.highlight in (None, part) else "#A8A8A8"
+        return "black" if part is None or self.highlight in (None, part) else "#6E6E6E"
 
     def box(self, x, y, w, h, text, part, fill=True, size=FONT, dashed=False):
         c = self.color(part)
@@ -90,7 +90,7 @@ def asymloop_figure(n_iter: int = 3, highlight: str | None = None) -> Figure:
     if not isinstance(n_iter, int) or not 1 <= n_iter <= MAX_ITER:
         raise ValueError(f"n_iter={n_iter!r} cannot be drawn; choose an integer K in 1..{MAX_ITER}")
     gap, x0 = 0.55, 2.35  # iteration columns: the gap between them, the left edge of the first
-    col_w = max(2.05, (6.6 - (n_iter - 1) * gap) / n_iter)  # wide enough for the Global KV text above them
+    col_w = max(2.3, (6.6 - (n_iter - 1) * gap) / n_iter)  # wide enough for the Global KV text above them
     right = x0 + n_iter * col_w + (n_iter - 1) * gap  # right edge of the last iteration column
     width, height = right + 2.15, 6.4
     cv = _Canvas(width, height, highlight)
@@ -111,39 +111,50 @@ def asymloop_figure(n_iter: int = 3, highlight: str | None = None) -> Figure:
     cv.arrow((1.0, 4.5), (1.0, 4.9), gkv)
     bus_y = 5.05
     cv.box(x0, bus_y, right - x0, 0.6, "", gkv)
-    cv.text((x0 + right) / 2, bus_y + 0.3, "fixed $(K^G, V^G)$ per decoder layer: computed once, "
+    cv.text((x0 + right) / 2, bus_y + 0.3, "fixed $(K^G_l, V^G_l)$ for each decoder layer $l$: computed once, "
             "read by every iteration", gkv)
     cv.arrow((1.85, bus_y + 0.3), (x0, bus_y + 0.3), gkv)
 
-    # the decoder loop, unrolled: iteration k recomputes Q, K^L, V^L from z_{k-1}, then one joint softmax
+    # the decoder loop, unrolled: iteration k runs the D layers; each layer makes its own Q, K^L, V^L from its
+    # RMS-normed input (only layer 1 reads z_{k-1}) and reads its own fixed (K^G_l, V^G_l)
+    lw, ly, lh = col_w - 0.35, (0.55, 2.55), 1.45  # layer boxes: width, bottoms (layer 1, layer D), height
     for k in range(1, n_iter + 1):
         x = x0 + (k - 1) * (col_w + gap)
         cv.box(x - 0.08, 0.04, col_w + 0.16, 4.5, "", loop, fill=False, dashed=True)
         cv.text(x + col_w / 2, 0.28, f"iteration $k={k}$: $D$ layers", loop)
-        cv.box(x + 0.1, 0.55, col_w - 0.2, 0.85, f"$Q,\\ K^L,\\ V^L$\nfrom $z_{{{k - 1}}}$", loop)
-        cv.box(x + 0.1, 1.85, col_w - 0.2, 2.35, "", att)
-        cv.text(x + col_w / 2, 3.9, "one softmax", att)
-        cv.text(x + col_w / 2, 3.6, "over $[K^G ; K^L]$", att)
-        cv.text(x + col_w / 2, 3.25, "mask $(N, 2N)$:", att, size=FONT - 0.5)
-        _mask_inset(cv, x + col_w / 2 - 0.6, 2.0, 0.2)
-        cv.arrow((x + col_w / 2, 1.4), (x + col_w / 2, 1.85), loop)
-        cv.arrow((x + col_w / 2, bus_y), (x + col_w / 2, 4.2), gkv)
-        # z_k leaves the attention box's right side: to the next iteration's Q, K^L, V^L, or to the head
+        for layer, y in zip(("1", "D"), ly):
+            cv.box(x + 0.25, y, lw, lh, "", loop)
+            cx = x + 0.25 + lw / 2
+            cv.text(cx, y + 1.2, f"decoder layer ${layer}$", loop, size=FONT - 1)
+            cv.text(cx, y + 0.88, "RMSNorm $\\to Q,\\ K^L,\\ V^L$", loop, size=FONT - 1.5)
+            cv.box(x + 0.32, y + 0.36, lw - 0.14, 0.36, f"one softmax, $[K^G_{layer} ; K^L]$", att, size=FONT - 1.5)
+            cv.text(cx, y + 0.17, "+ residual; MLP + residual", loop, size=FONT - 1.5)
+        cv.arrow((cx, ly[0] + lh), (cx, ly[1]), loop)
+        cv.text(cx + 0.18, (ly[0] + lh + ly[1]) / 2, "$\\vdots$", loop)
+        # this layer's own Global KV: layer D from above, layer 1 down the column's left edge
+        cv.arrow((cx, bus_y), (cx, ly[1] + lh), gkv)
+        cv.text(cx + 0.12, bus_y - 0.27, "$K^G_D, V^G_D$", gkv, size=FONT - 1.5, ha="left")
+        cv.ax.plot([x + 0.08] * 2, [bus_y, ly[0] + 1.05], color=cv.color(gkv), lw=1.6)
+        cv.arrow((x + 0.08, ly[0] + 1.05), (x + 0.25, ly[0] + 1.05), gkv)
+        cv.text(x + 0.14, bus_y - 0.27, "$K^G_1, V^G_1$", gkv, size=FONT - 1.5, ha="left")
+        # z_k leaves layer D's right side: to the next iteration's layer 1, or to the head
         if k < n_iter:
-            _elbow(cv, (x + col_w - 0.1, 2.4), x + col_w + gap / 2, (x + col_w + gap + 0.1, 0.975), loop)
-            cv.text(x + col_w + gap / 2, 2.6, f"$z_{{{k}}}$", loop)
-    _elbow(cv, (1.45, 3.42), x0 - 0.24, (x0 + 0.1, 0.975), loop)
+            _elbow(cv, (x + 0.25 + lw, 3.3), x + col_w + gap / 2, (x + col_w + gap + 0.25, 0.8), loop)
+            cv.text(x + col_w + gap / 2, 3.5, f"$z_{{{k}}}$", loop)
+    _elbow(cv, (1.45, 3.42), x0 - 0.24, (x0 + 0.25, 0.8), loop)
     cv.text(1.55, 3.62, "$z_0 = H$", loop, ha="left")
 
-    # after z_K: final RMSNorm -> head -> logits
+    # after z_K: final RMSNorm -> head -> logits; above them, the joint mask every layer's softmax uses
     hx = right + 0.45
-    cv.arrow((right - 0.1, 2.4), (hx, 2.4), head)
-    cv.text(right + 0.27, 2.6, f"$z_{{{n_iter}}}$", head)
-    cv.box(hx, 2.15, 1.55, 0.5, "RMSNorm", head)
-    cv.box(hx, 1.2, 1.55, 0.5, "head", head)
-    cv.box(hx, 0.25, 1.55, 0.5, "logits", head, fill=False)
-    cv.arrow((hx + 0.775, 2.15), (hx + 0.775, 1.7), head)
-    cv.arrow((hx + 0.775, 1.2), (hx + 0.775, 0.75), head)
+    cv.arrow((right - 0.1, 3.3), (hx, 3.3), head)
+    cv.text(right + 0.27, 3.5, f"$z_{{{n_iter}}}$", head)
+    cv.box(hx, 3.05, 1.55, 0.5, "RMSNorm", head)
+    cv.box(hx, 1.95, 1.55, 0.5, "head", head)
+    cv.box(hx, 0.85, 1.55, 0.5, "logits", head, fill=False)
+    cv.arrow((hx + 0.775, 3.05), (hx + 0.775, 2.45), head)
+    cv.arrow((hx + 0.775, 1.95), (hx + 0.775, 1.35), head)
+    cv.text(hx + 0.775, 5.2, "every layer's mask\n$(N, 2N)$, $N=3$:", att, size=FONT - 1)
+    _mask_inset(cv, hx + 0.175, 4.0, 0.2)
     cv.text(width / 2, height - 0.3, f"AsymLoop unrolled, $K={n_iter}$: the $D$ decoder layers run $K$ times, "
             "weights shared across iterations", None, size=FONT + 1.5)
     return cv.fig
@@ -169,7 +180,8 @@ def mask_figure(n: int = 4) -> Figure:
     ax.set_xticks([j + 0.5 for j in range(2 * n)],
                   [f"$k^G_{{{j}}}$" if j < n else f"$k^L_{{{j - n}}}$" for j in range(2 * n)], fontsize=FONT)
     ax.set_yticks([i + 0.5 for i in range(n)], [f"$q_{{{i}}}$" for i in range(n)], fontsize=FONT)
-    ax.set_xlabel("key position $j$: Global half ($K^G$, from $H$) | Local half ($K^L$, from $z_{k-1}$)", fontsize=FONT)
+    ax.set_xlabel("key position $j$: Global half ($K^G_l$, from $H$) | Local half ($K^L$, from the layer's input)",
+                  fontsize=FONT)
     ax.set_ylabel("query position $i$", fontsize=FONT)
     ax.set_title(f"Joint mask $({n}, {2 * n})$: query $i$ sees key $j$ of both halves iff $j \\leq i$", fontsize=FONT + 1)
     ax.tick_params(length=0)
