@@ -2,8 +2,9 @@
 
     python docs/make_figures.py          # writes docs/asymloop.png and docs/notebook_results.png
 
-The second figure reads the precomputed runs in notebooks/results/ (matched_depth.json and chain_task.json) (written by
-`python -m minimal_asymloop.experiments all`); run this again after they change.
+The second figure reads the precomputed runs in notebooks/results/ (matched_depth.json, chain_task.json and
+chain_context.json, the same files notebooks 02 and 03 read; written by `python -m minimal_asymloop.experiments all`);
+run this again after they change.
 """
 
 import json
@@ -103,7 +104,7 @@ def architecture_figure() -> Figure:
 # ----------------------------------------------------------------------------- the notebooks' key result
 
 
-# (the paper's matched-depth numbers, Table 3, are from its ALRS recipe; these runs are uniform LR + QKNorm: not drawn beside)
+# (the paper's matched-depth numbers are from other recipes and budgets than these uniform LR + QKNorm runs: not drawn beside)
 PAIRS = [("depth 4 (L)", "dense", "asymloop_k1", "Dense", "AsymLoop K=1"),
          ("depth 8 (2L)", "full_loop_k2", "asymloop_k3", "Full Loop K=2", "AsymLoop K=3"),
          ("depth 12 (3L)", "full_loop_k3", "asymloop_k5", "Full Loop K=3", "AsymLoop K=5")]
@@ -157,8 +158,8 @@ CONTEXT_ARMS = [("dense_l4", "Dense\nL=4"), ("full_loop_k2", "Full Loop\nK=2"), 
                 ("asymloop_k3_no_local", "without\nLocal KV")]
 
 
-def chain_runs() -> tuple[dict, list[dict]]:
-    ct = json.loads((RESULTS / "chain_task.json").read_text())
+def chain_runs(name: str = "chain_task") -> tuple[dict, list[dict]]:
+    ct = json.loads((RESULTS / f"{name}.json").read_text())
     return ct["setting"], ct["runs"]
 
 
@@ -192,7 +193,7 @@ def chain_panel(ax, hops: int = 3):
 
 
 def context_panel(ax, hops: int = 3):
-    setting, runs = chain_runs()
+    setting, runs = chain_runs("chain_context")  # the six depth-4 arms trained side by side (what notebook 03 reads)
     by = {}
     for r in runs:
         by.setdefault(r["name"], []).append(r)
