@@ -29,6 +29,7 @@ RELATIVE_PATH = re.compile(r"""["'](?:\.\./)*(?:results|out)/|["'](?:\.\./)+(?:r
 
 # A code cell draws a figure if it shows, creates or displays one (pyplot, a bare Figure, or a saved PNG).
 DRAWS = re.compile(r"plt\.(show|subplots|figure|imshow)\(|\bFigure\(|display\(\s*(fig|Image)|\bImage\(")
+RETURNED_FIGURE = re.compile(r"<\w*Figure size")  # a cell's value is a Figure (or a subclass: course.draw's NotebookFigure)
 
 
 def _code_cells(path):
@@ -42,7 +43,7 @@ def _n_images(outputs):
 
 def _draws(source, outputs):
     code = "\n".join(line.split("#")[0] for line in source.splitlines())  # comments don't draw
-    returned_figure = any("<Figure size" in "".join(o.get("data", {}).get("text/plain", "")) for o in outputs)
+    returned_figure = any(RETURNED_FIGURE.search("".join(o.get("data", {}).get("text/plain", ""))) for o in outputs)
     return bool(DRAWS.search(code)) or returned_figure
 
 
@@ -141,7 +142,8 @@ def test_figure_detector_catches_each_way_of_drawing():
     no_png = [{"output_type": "stream", "text": ["ok"]}]
     for src in ("plt.show()", "fig, ax = plt.subplots()", "display(fig)", "display(Image(path))", "fig = Figure()"):
         assert _draws(src, no_png), src
-    assert _draws("fig", [{"output_type": "execute_result", "data": {"text/plain": ["<Figure size 640x480 with 1 Axes>"]}}])
+    for shown in ("<Figure size 640x480 with 1 Axes>", "<NotebookFigure size 1175x640 with 1 Axes>"):
+        assert _draws("fig", [{"output_type": "execute_result", "data": {"text/plain": [shown]}}])
     assert not _draws("print(1)  # plt.show() would draw", no_png)
 
 

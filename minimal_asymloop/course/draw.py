@@ -1,0 +1,176 @@
+"""AsymLoop drawn: one unrolled data-flow figure of the forward pass (the paper's Section 3), and the (N, 2N) joint mask.
+
+`asymloop_figure(highlight=...)` greys out all but one part, so each notebook can show where it sits. Both return
+bare matplotlib Figures (no pyplot state): a notebook displays them, `fig.savefig` writes them.
+"""
+
+import io
+
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+
+HIGHLIGHTS = ("encoder", "global_kv", "joint_attention", "loop", "head")
+MAX_ITER = 5  # more columns than this no longer fit a notebook's width
+COLORS = {"encoder": "#4C72B0", "global_kv": "#DD8452", "joint_attention": "#8172B3", "loop": "#55A868",
+          "head": "#595959"}
+GREY = "#C8C8C8"
+FONT = 10.5
+
+
+class NotebookFigure(Figure):
+    """A bare Figure that shows itself as a PNG when a notebook cell returns it, also in a kernel that never imported
+    pyplot (which is what registers the inline backend's own display of Figures)."""
+
+    def _repr_png_(self):
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+        return buf.getvalue()
+
+
+class _Canvas:
+    """Boxes, arrows and text in inch coordinates on one axes, each tagged with its part of the model."""
+
+    def __init__(self, width, height, highlight):
+        if highlight is not None and highlight not in HIGHLIGHTS:
+            raise ValueError(f"unknown highlight {highlight!r}; choose one of None, {', '.join(map(repr, HIGHLIGHTS))}")
+        self.fig = NotebookFigure(figsize=(width, height))
+        self.ax = self.fig.add_axes((0, 0, 1, 1))
+        self.ax.set_xlim(0, width)
+        self.ax.set_ylim(0, height)
+        self.ax.axis("off")
+        self.highlight = highlight
+
+    def color(self, part):
+        return COLORS[part] if self.highlight in (None, part) else GREY
+
+    def ink(self, part):  # text colour: dark when the part is shown, grey when it is greyed out
+        return "black" if part is None or self.highlight in (None, part) else "#A8A8A8"
+
+    def box(self, x, y, w, h, text, part, fill=True, size=FONT, dashed=False):
+        c = self.color(part)
+        self.ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0,rounding_size=0.08", lw=1.6,
+                                         ec=c, fc=c + "22" if fill and c != GREY else "white",
+                                         ls="--" if dashed else "-"))
+        if text:
+            self.text(x + w / 2, y + h / 2, text, part, size=size)
+
+    def text(self, x, y, s, part, size=FONT, **kw):
+        self.ax.text(x, y, s, ha=kw.pop("ha", "center"), va=kw.pop("va", "center"), fontsize=size,
+                     color=self.ink(part), **kw)
+
+    def arrow(self, start, end, part, style="arc3", lw=1.6):
+        self.ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=13, lw=lw,
+                                          color=self.color(part), connectionstyle=style, shrinkA=0, shrinkB=0))
+
+
+def _elbow(cv, start, x_turn, end, part):
+    """An arrow that runs right from start to x_turn, vertically to end's height, then right into end."""
+    cv.ax.plot([start[0], x_turn, x_turn], [start[1], start[1], end[1]], color=cv.color(part), lw=1.6)
+    cv.arrow((x_turn, end[1]), end, part)
+
+
+def _mask_inset(cv, x, y, cell, n=3):
+    """The (n, 2n) joint mask as n x 2n cells from (x, y) up: Global half orange, Local half green. It belongs to
+    joint attention, so it keeps its colours when that part (or a half's own part) is highlighted."""
+    att = cv.highlight == "joint_attention"
+    for i in range(n):
+        for j in range(2 * n):
+            part = "global_kv" if j < n else "loop"
+            fc = (COLORS[part] if att else cv.color(part)) if j % n <= i else "white"
+            cv.ax.add_patch(Rectangle((x + j * cell, y + (n - 1 - i) * cell), cell, cell, lw=0.6,
+                                      ec=cv.color("joint_attention"), fc=fc))
+    cv.ax.plot([x + n * cell] * 2, [y, y + n * cell], color=cv.color("joint_attention"), lw=2)
+    for half, (label, part) in enumerate((("$K^G$", "global_kv"), ("$K^L$", "loop"))):
+        cv.text(x + (half + 0.5) * n * cell, y + n * cell + 0.13, label, "joint_attention" if att else part,
+                size=FONT - 0.5)
+
+
+def asymloop_figure(n_iter: int = 3, highlight: str | None = None) -> Figure:
+    """AsymLoop unrolled over K = n_iter iterations; `highlight` (one of HIGHLIGHTS) greys out everything else."""
+    if not isinstance(n_iter, int) or not 1 <= n_iter <= MAX_ITER:
+        raise ValueError(f"n_iter={n_iter!r} cannot be drawn; choose an integer K in 1..{MAX_ITER}")
+    gap, x0 = 0.55, 2.35  # iteration columns: the gap between them, the left edge of the first
+    col_w = max(2.05, (6.6 - (n_iter - 1) * gap) / n_iter)  # wide enough for the Global KV text above them
+    right = x0 + n_iter * col_w + (n_iter - 1) * gap  # right edge of the last iteration column
+    width, height = right + 2.15, 6.4
+    cv = _Canvas(width, height, highlight)
+    enc, gkv, att, loop, head = HIGHLIGHTS
+
+    # the encoder, run once: tokens -> embedding -> E blocks -> H
+    cv.box(0.15, 0.25, 1.7, 0.45, "tokens", enc, fill=False)
+    cv.box(0.15, 1.0, 1.7, 0.45, "embedding", enc)
+    cv.box(0.15, 1.8, 1.7, 1.05, "encoder\n$E$ blocks\nrun once", enc)
+    cv.box(0.55, 3.2, 0.9, 0.45, "$H$", enc)
+    for y0, y1 in ((0.7, 1.0), (1.45, 1.8), (2.85, 3.2)):
+        cv.arrow((1.0, y0), (1.0, y1), enc)
+
+    # Global KV: RMSNorm(H), each decoder layer's own W_K^G, W_V^G, computed once
+    cv.box(0.15, 4.05, 1.7, 0.45, "RMSNorm$(H)$", gkv)
+    cv.box(0.15, 4.9, 1.7, 0.9, "each decoder\nlayer's $W_K^G,\\ W_V^G$", gkv)
+    cv.arrow((1.0, 3.65), (1.0, 4.05), gkv)
+    cv.arrow((1.0, 4.5), (1.0, 4.9), gkv)
+    bus_y = 5.05
+    cv.box(x0, bus_y, right - x0, 0.6, "", gkv)
+    cv.text((x0 + right) / 2, bus_y + 0.3, "fixed $(K^G, V^G)$ per decoder layer: computed once, "
+            "read by every iteration", gkv)
+    cv.arrow((1.85, bus_y + 0.3), (x0, bus_y + 0.3), gkv)
+
+    # the decoder loop, unrolled: iteration k recomputes Q, K^L, V^L from z_{k-1}, then one joint softmax
+    for k in range(1, n_iter + 1):
+        x = x0 + (k - 1) * (col_w + gap)
+        cv.box(x - 0.08, 0.04, col_w + 0.16, 4.5, "", loop, fill=False, dashed=True)
+        cv.text(x + col_w / 2, 0.28, f"iteration $k={k}$: $D$ layers", loop)
+        cv.box(x + 0.1, 0.55, col_w - 0.2, 0.85, f"$Q,\\ K^L,\\ V^L$\nfrom $z_{{{k - 1}}}$", loop)
+        cv.box(x + 0.1, 1.85, col_w - 0.2, 2.35, "", att)
+        cv.text(x + col_w / 2, 3.9, "one softmax", att)
+        cv.text(x + col_w / 2, 3.6, "over $[K^G ; K^L]$", att)
+        cv.text(x + col_w / 2, 3.25, "mask $(N, 2N)$:", att, size=FONT - 0.5)
+        _mask_inset(cv, x + col_w / 2 - 0.6, 2.0, 0.2)
+        cv.arrow((x + col_w / 2, 1.4), (x + col_w / 2, 1.85), loop)
+        cv.arrow((x + col_w / 2, bus_y), (x + col_w / 2, 4.2), gkv)
+        # z_k leaves the attention box's right side: to the next iteration's Q, K^L, V^L, or to the head
+        if k < n_iter:
+            _elbow(cv, (x + col_w - 0.1, 2.4), x + col_w + gap / 2, (x + col_w + gap + 0.1, 0.975), loop)
+            cv.text(x + col_w + gap / 2, 2.6, f"$z_{{{k}}}$", loop)
+    _elbow(cv, (1.45, 3.42), x0 - 0.24, (x0 + 0.1, 0.975), loop)
+    cv.text(1.55, 3.62, "$z_0 = H$", loop, ha="left")
+
+    # after z_K: final RMSNorm -> head -> logits
+    hx = right + 0.45
+    cv.arrow((right - 0.1, 2.4), (hx, 2.4), head)
+    cv.text(right + 0.27, 2.6, f"$z_{{{n_iter}}}$", head)
+    cv.box(hx, 2.15, 1.55, 0.5, "RMSNorm", head)
+    cv.box(hx, 1.2, 1.55, 0.5, "head", head)
+    cv.box(hx, 0.25, 1.55, 0.5, "logits", head, fill=False)
+    cv.arrow((hx + 0.775, 2.15), (hx + 0.775, 1.7), head)
+    cv.arrow((hx + 0.775, 1.2), (hx + 0.775, 0.75), head)
+    cv.text(width / 2, height - 0.3, f"AsymLoop unrolled, $K={n_iter}$: the $D$ decoder layers run $K$ times, "
+            "weights shared across iterations", None, size=FONT + 1.5)
+    return cv.fig
+
+
+def mask_figure(n: int = 4) -> Figure:
+    """The joint attention mask (N, 2N): query i sees key j of the Global half and of the Local half iff j <= i."""
+    if not isinstance(n, int) or not 1 <= n <= 12:
+        raise ValueError(f"n={n!r} tokens cannot be drawn legibly; choose an integer in 1..12")
+    cell = 0.6
+    fig = NotebookFigure(figsize=(2 * n * cell + 1.6, n * cell + 1.5), layout="constrained")
+    ax = fig.add_subplot()
+    for i in range(n):
+        for j in range(2 * n):
+            seen = j % n <= i
+            ax.add_patch(Rectangle((j, i), 1, 1, lw=1, ec="white",
+                                   fc=(COLORS["global_kv"] if j < n else COLORS["loop"]) if seen else "#EEEEEE"))
+            ax.text(j + 0.5, i + 0.5, "1" if seen else "0", ha="center", va="center", fontsize=FONT,
+                    color="white" if seen else "#999999")
+    ax.axvline(n, color="black", lw=2)
+    ax.set_xlim(0, 2 * n)
+    ax.set_ylim(n, 0)
+    ax.set_xticks([j + 0.5 for j in range(2 * n)],
+                  [f"$k^G_{{{j}}}$" if j < n else f"$k^L_{{{j - n}}}$" for j in range(2 * n)], fontsize=FONT)
+    ax.set_yticks([i + 0.5 for i in range(n)], [f"$q_{{{i}}}$" for i in range(n)], fontsize=FONT)
+    ax.set_xlabel("key position $j$: Global half ($K^G$, from $H$) | Local half ($K^L$, from $z_{k-1}$)", fontsize=FONT)
+    ax.set_ylabel("query position $i$", fontsize=FONT)
+    ax.set_title(f"Joint mask $({n}, {2 * n})$: query $i$ sees key $j$ of both halves iff $j \\leq i$", fontsize=FONT + 1)
+    ax.tick_params(length=0)
+    return fig

@@ -1,0 +1,46 @@
+"""The mechanism drawn (minimal_asymloop/course/draw.py): every highlight builds a figure, bad input is refused."""
+
+import pytest
+from matplotlib.figure import Figure
+
+from minimal_asymloop.course.draw import HIGHLIGHTS, asymloop_figure, mask_figure
+
+
+@pytest.mark.parametrize("highlight", (None, *HIGHLIGHTS))
+def test_every_highlight_builds_a_figure(highlight):
+    fig = asymloop_figure(highlight=highlight)
+    assert isinstance(fig, Figure)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "iteration $k=3$: $D$ layers" in texts and "iteration $k=4$: $D$ layers" not in texts  # K columns, no more
+    shown = {t.get_text(): t.get_color() for t in fig.axes[0].texts}
+    encoder_ink = shown["encoder\n$E$ blocks\nrun once"]
+    assert (encoder_ink == "black") == (highlight in (None, "encoder"))  # the rest is greyed out
+
+
+def test_the_figure_unrolls_k_columns():
+    texts = [t.get_text() for t in asymloop_figure(n_iter=5).axes[0].texts]
+    assert sum(t.startswith("iteration $k=") for t in texts) == 5 and "from $z_{4}$" in " ".join(texts)
+
+
+def test_a_bad_highlight_names_the_choices():
+    with pytest.raises(ValueError, match="unknown highlight 'decoder'; choose one of None, 'encoder', 'global_kv'") as e:
+        asymloop_figure(highlight="decoder")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="choose an integer K in 1..5"):
+        asymloop_figure(n_iter=9)
+
+
+def test_the_mask_figure_shows_j_le_i_in_both_halves():
+    fig = mask_figure(n=4)
+    cells = [t.get_text() for t in fig.axes[0].texts]  # row by row, 2n per row: "1" where key j <= query i
+    rows = [cells[i * 8:(i + 1) * 8] for i in range(4)]
+    assert rows[0] == ["1", "0", "0", "0", "1", "0", "0", "0"] and rows[3] == ["1"] * 8
+    with pytest.raises(ValueError, match="choose an integer in 1..12"):
+        mask_figure(n=0)
+
+
+def test_a_returned_figure_shows_itself_without_pyplot():
+    """A notebook cell that returns the figure shows it as a PNG even when the kernel never imported pyplot."""
+    for fig in (asymloop_figure(), mask_figure()):
+        png = fig._repr_png_()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
