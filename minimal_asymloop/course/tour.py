@@ -2,9 +2,9 @@
 Table 10 reproduced from the package's own counts, and the live and precomputed results of the depth demo
 (experiments.depth_demo: AsymLoop K = 1 against K = 3 on binding chains)."""
 
-from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from minimal_asymloop.course.draw import NotebookFigure
 from minimal_asymloop.flops import count_params, flops_per_token
 from minimal_asymloop.model import ModelConfig
 
@@ -75,9 +75,9 @@ def _stack(ax, x, names, colors, title, loop=None, global_kv=None):
     ax.text(x, -0.25, title, ha="center", fontsize=12, weight="bold")
 
 
-def architectures_figure() -> Figure:
+def architectures_figure() -> NotebookFigure:
     """Dense, Full Loop and AsymLoop on four physical blocks, with their effective depths."""
-    fig = Figure(figsize=(10, 5.5))
+    fig = NotebookFigure(figsize=(10, 5.5))
     ax = fig.subplots()
     grey, enc, dec = "0.85", "#9ecae1", "#fdae6b"
     _stack(ax, 1.5, [f"block {i}" for i in range(4)], [grey] * 4, "Dense (L=4)\neffective depth 4")
@@ -92,10 +92,10 @@ def architectures_figure() -> Figure:
     return fig
 
 
-def live_figure(runs: dict) -> Figure:
+def live_figure(runs: dict) -> NotebookFigure:
     """Accuracy by hop count during training, one panel per hop count, one line per K (the live demo)."""
     hops = sorted(int(h) for h in next(iter(runs.values()))["curve"][0][1])
-    fig = Figure(figsize=(11, 3.6))
+    fig = NotebookFigure(figsize=(11, 3.6))
     axes = fig.subplots(1, len(hops), sharey=True)
     for ax, h in zip(axes, hops):
         for j, (k, run) in enumerate(sorted(runs.items())):
@@ -117,10 +117,10 @@ def final_accuracy(result: dict, hops: int) -> dict[int, list[float]]:
     return out
 
 
-def seeds_figure(result: dict, solved: float = 0.9) -> Figure:
+def seeds_figure(result: dict, solved: float = 0.9) -> NotebookFigure:
     """One dot per seed: final accuracy by hop count at K = 1 and K = 3, each seed's two runs joined by a line."""
     hops = sorted(int(h) for h in result["runs"][0]["curve"][0][1])
-    fig = Figure(figsize=(11, 3.8))
+    fig = NotebookFigure(figsize=(11, 4.2))
     axes = fig.subplots(1, len(hops), sharey=True)
     for ax, h in zip(axes, hops):
         acc = final_accuracy(result, h)
@@ -131,15 +131,17 @@ def seeds_figure(result: dict, solved: float = 0.9) -> Figure:
             ax.scatter([j] * len(acc[k]), acc[k], color=f"C{j}", zorder=2, s=30)
             ax.text(j, -0.12, f"{sum(a >= solved for a in acc[k])}/{len(acc[k])} ≥ {solved}", ha="center", fontsize=9,
                     transform=ax.get_xaxis_transform())
-            ax.legend(loc="lower right", fontsize=9)
+        init = [r["curve"][0][1][str(h)] for r in result["runs"]]  # the untrained models (step 0)
+        ax.axhline(sum(init) / len(init), color="0.4", ls=":", lw=1, label="untrained (mean of all runs)")
         ax.set_xticks(range(len(ks)), [f"K = {k}" for k in ks])
         ax.set_xlim(-0.5, len(ks) - 0.5)
         ax.set_title(f"{h}-hop statements")
         ax.set_ylim(0, 1.03)
     axes[0].set_ylabel(f"accuracy after {result['setting']['steps']} steps")
+    axes[0].legend(loc="lower left", fontsize=9)
     deep = final_accuracy(result, hops[-1])
     fig.suptitle(f"{hops[-1]}-hop chains solved (accuracy ≥ {solved}) in {sum(a >= solved for a in deep[max(deep)])}/"
                  f"{len(deep[max(deep)])} seeds at K = {max(deep)}, {sum(a >= solved for a in deep[min(deep)])}/"
-                 f"{len(deep[min(deep)])} at K = {min(deep)} (same weights at init, same data; a line joins a seed's runs)")
+                 f"{len(deep[min(deep)])} at K = {min(deep)} \n(one dot per seed; a line joins a seed's two runs: one random init, the same data)")
     fig.tight_layout()
     return fig
