@@ -74,3 +74,14 @@ def test_figures_build_and_count_solved_seeds():
     assert fig._suptitle.get_text().startswith("3-hop chains solved (accuracy ≥ 0.9) in 4/5 seeds at K = 3, 0/5 at K = 1")
     live = {k: dict(curve=r["curve"]) for k, r in ((1, res["runs"][0]), (3, res["runs"][5]))}
     assert len(tour.live_figure(live).axes) == 3
+
+
+def test_trained_chain_model_names_the_committed_seeds():
+    with pytest.raises(FileNotFoundError, match="committed seeds: 0, 1, 3"):
+        tour.trained_chain_model(2)
+
+
+def test_chain_seeds_reads_k1_and_k3_in_seed_order():
+    runs = [dict(name=f"asymloop_k{k}", seed=s, n_iter=k, acc_by_test_k={str(k): {"3": s / 10 + k}}) for s in (1, 0) for k in (1, 3)]
+    runs.append(dict(name="dense_l4", seed=0, n_iter=1, acc_by_test_k={"1": {"3": 9.0}}))
+    assert tour.chain_seeds(dict(runs=runs)) == {1: [1.0, 1.1], 3: [3.0, 3.1]}

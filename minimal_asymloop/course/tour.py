@@ -145,3 +145,50 @@ def seeds_figure(result: dict, solved: float = 0.9) -> NotebookFigure:
                  f"{len(deep[min(deep)])} at K = {min(deep)} \n(one dot per seed; a line joins a seed's two runs: one random init, the same data)")
     fig.tight_layout()
     return fig
+
+
+def trained_chain_model(seed: int):
+    """The AsymLoop (E = D = 1) trained at K = 3 on binding chains by the chain_task experiment, from its committed
+    weights (notebooks/results/chain_weights/asymloop_k3-s<seed>.safetensors; seeds 0, 1 and 3 converged)."""
+    from safetensors.torch import load_file
+
+    from minimal_asymloop.experiments.chain import CHAIN_TASK, chain_models
+    from minimal_asymloop.model import LoopedLM
+    from minimal_asymloop.paths import RESULTS
+    from minimal_asymloop.tasks import ChainTask
+
+    path = RESULTS / "chain_weights" / f"asymloop_k3-s{seed}.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; committed seeds: 0, 1, 3 (python -m minimal_asymloop.experiments chain_task)")
+    model = LoopedLM(chain_models(ChainTask(**CHAIN_TASK))["asymloop_k3"])
+    model.load_state_dict(load_file(str(path)))
+    return model.eval()
+
+
+def test_time_figure(acc: dict) -> NotebookFigure:
+    """3-hop (and 2-hop) accuracy of trained K = 3 models run with k iterations: acc = {seed: {k: {hops: accuracy}}}."""
+    fig = NotebookFigure(figsize=(7, 4))
+    ax = fig.subplots()
+    for j, (seed, by_k) in enumerate(sorted(acc.items())):
+        ks = sorted(by_k)
+        ax.plot(ks, [by_k[k][3] for k in ks], "o-", color=f"C{j}", label=f"seed {seed}: 3 hops")
+        ax.plot(ks, [by_k[k][2] for k in ks], "s--", color=f"C{j}", alpha=0.5, ms=4, label=f"seed {seed}: 2 hops")
+    ax.axvline(3, color="0.5", ls=":", lw=1)
+    ax.text(3.05, 0.05, "trained K", color="0.4")
+    ax.set_xticks(ks)
+    ax.set_xlabel("iterations k at test time (effective depth 1 + k)")
+    ax.set_ylabel("accuracy on held-out programs")
+    ax.set_ylim(0, 1.03)
+    ax.set_title("The same trained weights: 3 hops need the iterations")
+    ax.legend(fontsize=8, loc="lower right", ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def chain_seeds(result: dict, hops: int = 3) -> dict[int, list[float]]:
+    """{K: [final `hops` accuracy per seed]} of the AsymLoop K = 1 and K = 3 runs of chain_task.json."""
+    out = {}
+    for r in sorted(result["runs"], key=lambda r: r["seed"]):
+        if r["name"] in ("asymloop_k1", "asymloop_k3"):
+            out.setdefault(r["n_iter"], []).append(r["acc_by_test_k"][str(r["n_iter"])][str(hops)])
+    return out
