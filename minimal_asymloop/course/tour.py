@@ -142,7 +142,8 @@ def seeds_figure(result: dict, solved: float = 0.9) -> NotebookFigure:
     deep = final_accuracy(result, hops[-1])
     fig.suptitle(f"{hops[-1]}-hop chains solved (accuracy ≥ {solved}) in {sum(a >= solved for a in deep[max(deep)])}/"
                  f"{len(deep[max(deep)])} seeds at K = {max(deep)}, {sum(a >= solved for a in deep[min(deep)])}/"
-                 f"{len(deep[min(deep)])} at K = {min(deep)} \n(one dot per seed; a line joins a seed's two runs: one random init, the same data)")
+                 f"{len(deep[min(deep)])} at K = {min(deep)}\n"
+                 "(one dot per seed; a line joins a seed's two runs: one random init, the same data)")
     fig.tight_layout()
     return fig
 
