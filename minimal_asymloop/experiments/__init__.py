@@ -67,6 +67,7 @@ from minimal_asymloop.experiments.chain import (
     chain_task,
 )
 from minimal_asymloop.experiments.common import CONTEXTS, RUNS, committed, committed_rows, describe_budget, finished, train_lm, write_json
+from minimal_asymloop.experiments.depth_demo import DEMO_STEPS, DEMO_TASK, demo_config, demo_train, depth_demo
 from minimal_asymloop.experiments.lm import (
     LM,
     MATCHED_DEPTH,
@@ -85,7 +86,7 @@ from minimal_asymloop.experiments.lm import (
 from minimal_asymloop.paths import REPO, RESULTS
 
 EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_task": chain_task, "chain_context": chain_context,
-               "alrs": alrs_experiment}
+               "alrs": alrs_experiment, "depth_demo": depth_demo}
 SETTINGS = ("STEPS", "STEPS_SET", "SEEDS", "SEEDS_SET", "CACHED_ONLY", "FRESH")  # the run settings main() sets
 
 

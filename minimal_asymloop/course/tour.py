@@ -1,0 +1,195 @@
+"""Figures and tables of notebook 00 (the tour): the three architectures side by side, the paper's Table 9 and
+Table 10 reproduced from the package's own counts, and the live and precomputed results of the depth demo
+(experiments.depth_demo: AsymLoop K = 1 against K = 3 on binding chains)."""
+
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+from minimal_asymloop.course.draw import NotebookFigure
+from minimal_asymloop.flops import count_params, flops_per_token
+from minimal_asymloop.model import ModelConfig
+
+# The paper's Table 9 (Appendix D.1): forward GFLOPs per input position at N = 1024, V = 32128, Full Loop K = 2 and
+# AsymLoop K = 3; then the additional cost of AsymLoop in % of Full Loop: Global KV projections, global attention, total
+TABLE9 = {"60m": (0.256967, 0.292356, 2.75, 11.02, 13.77), "135m": (0.464585, 0.535364, 3.05, 12.19, 15.23),
+          "350m": (1.476657, 1.677984, 3.41, 10.23, 13.63), "1b": (5.365891, 5.869208, 3.75, 5.63, 9.38)}
+# The paper's Table 10: parameters (millions) of Full Loop K = 2 and AsymLoop K = 3, FFN 2048 (the two sizes it lists)
+TABLE10_PARAMS = {"60m": (91.83, 95.37), "135m": (134.30, 141.38)}
+
+
+def table9(seq_len: int = 1024) -> list[dict]:
+    """One row per size: the package's forward FLOPs per token beside Table 9's, and the Global KV overhead
+    (relative to Full Loop K = 2) and share (of AsymLoop K = 3's own total)."""
+    rows = []
+    for size, paper in TABLE9.items():
+        full, asym = (flops_per_token(ModelConfig.from_preset(size, arch), seq_len) for arch in ("full_loop", "asymloop"))
+        rows.append(dict(size=size, full=full["total"] / 1e9, asym=asym["total"] / 1e9,
+                         proj=100 * asym["global_kv_proj"] / full["total"], attn=100 * asym["global_attn"] / full["total"],
+                         overhead=100 * (asym["total"] / full["total"] - 1),
+                         share=100 * (asym["global_kv_proj"] + asym["global_attn"]) / asym["total"], paper=paper))
+    return rows
+
+
+def table9_markdown(rows: list[dict]) -> str:
+    """Table 9 as the paper prints it, each of our values with the paper's in brackets, and the share column added."""
+    out = ["| size | Full Loop K=2 GFLOPs | AsymLoop K=3 GFLOPs | Global KV proj. % | global attn. % | overhead % "
+           "(of Full Loop) | share % (of AsymLoop) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["paper"]
+        out.append(f"| {r['size']} | {r['full']:.6f} ({p[0]:.6f}) | {r['asym']:.6f} ({p[1]:.6f}) | {r['proj']:.2f} ({p[2]:.2f}) "
+                   f"| {r['attn']:.2f} ({p[3]:.2f}) | {r['overhead']:.2f} ({p[4]:.2f}) | {r['share']:.2f} (not in the paper) |")
+    return "\n".join(out)
+
+
+def table10_markdown() -> str:
+    """Parameters of Full Loop K = 2 and AsymLoop K = 3 (every parameter counted), beside Table 10's."""
+    out = ["| size | Full Loop K=2 | AsymLoop K=3 | Global KV adds |", "|---|---|---|---|"]
+    for size, (full_p, asym_p) in TABLE10_PARAMS.items():
+        full, asym = (count_params(ModelConfig.from_preset(size, arch)) for arch in ("full_loop", "asymloop"))
+        out.append(f"| {size} | {full / 1e6:.2f}M ({full_p:.2f}M) | {asym / 1e6:.2f}M ({asym_p:.2f}M) | "
+                   f"{(asym - full) / 1e6:.2f}M = {asym / full - 1:.1%} |")
+    return "\n".join(out)
+
+
+def _stack(ax, x, names, colors, title, loop=None, global_kv=None):
+    """Boxes bottom to top; loop=(first, last, label) draws the weight-tied return arrow; global_kv=(src, dsts)."""
+    w, hgt = 1.6, 0.55
+    ys = [0.9 + i * 0.75 for i in range(len(names))]
+    for y, name, c in zip(ys, names, colors):
+        ax.add_patch(Rectangle((x - w / 2, y), w, hgt, facecolor=c, edgecolor="k"))
+        ax.text(x, y + hgt / 2, name, ha="center", va="center", fontsize=11)
+    ax.text(x, 0.35, "embed(x)", ha="center", fontsize=11)
+    ax.text(x, ys[-1] + hgt + 0.35, "norm → head", ha="center", fontsize=11)
+    for y0, y1 in zip([0.55] + [y + hgt for y in ys], ys + [ys[-1] + hgt + 0.3]):
+        ax.annotate("", (x, y1), (x, y0), arrowprops=dict(arrowstyle="->", lw=1))
+    if loop:
+        a, b, label = loop
+        ax.add_patch(FancyArrowPatch((x + w / 2, ys[b] + hgt / 2), (x + w / 2, ys[a] + hgt / 2),
+                                     connectionstyle="arc3,rad=-0.6", arrowstyle="->", mutation_scale=15, lw=2, color="C3"))
+        ax.text(x + w / 2 + 0.8, (ys[a] + ys[b] + hgt) / 2, label, color="C3", fontsize=12, va="center")
+    if global_kv:
+        src, dsts = global_kv
+        for d in dsts:
+            ax.add_patch(FancyArrowPatch((x - w / 2, ys[src] + hgt), (x - w / 2, ys[d] + hgt / 2),
+                                         connectionstyle="arc3,rad=0.5", arrowstyle="->", mutation_scale=12, lw=1.5, color="C0"))
+        ax.text(x - w / 2 - 0.85, (ys[src] + ys[dsts[-1]]) / 2 + 0.3, "Global KV\n(once)", color="C0", fontsize=11, ha="center")
+    ax.text(x, -0.25, title, ha="center", fontsize=12, weight="bold")
+
+
+def architectures_figure() -> NotebookFigure:
+    """Dense, Full Loop and AsymLoop on four physical blocks, with their effective depths."""
+    fig = NotebookFigure(figsize=(10, 5.5))
+    ax = fig.subplots()
+    grey, enc, dec = "0.85", "#9ecae1", "#fdae6b"
+    _stack(ax, 1.5, [f"block {i}" for i in range(4)], [grey] * 4, "Dense (L=4)\neffective depth 4")
+    _stack(ax, 5.0, [f"block {i}" for i in range(4)], [grey] * 4, "Full Loop (L=4, K=2)\neffective depth K·L = 8",
+           loop=(0, 3, "× K"))
+    _stack(ax, 9.3, ["enc 0", "enc 1", "dec 0", "dec 1"], [enc, enc, dec, dec],
+           "AsymLoop (E=2, D=2, K=3)\neffective depth E + K·D = 8", loop=(2, 3, "× K"), global_kv=(1, [2, 3]))
+    ax.set_xlim(-0.5, 11.5)
+    ax.set_ylim(-0.8, 4.9)
+    ax.axis("off")
+    ax.set_title("Four physical blocks, three ways to run them\n(arrows: data flow; red: weight-tied loop; blue: Global KV)")
+    return fig
+
+
+def live_figure(runs: dict) -> NotebookFigure:
+    """Accuracy by hop count during training, one panel per hop count, one line per K (the live demo)."""
+    hops = sorted(int(h) for h in next(iter(runs.values()))["curve"][0][1])
+    fig = NotebookFigure(figsize=(11, 3.6))
+    axes = fig.subplots(1, len(hops), sharey=True)
+    for ax, h in zip(axes, hops):
+        for j, (k, run) in enumerate(sorted(runs.items())):
+            ax.plot([s for s, _ in run["curve"]], [a[str(h)] for _, a in run["curve"]], "o-", ms=3, color=f"C{j}",
+                    label=f"K = {k} (effective depth {1 + k})")
+        ax.set_title(f"{h}-hop statements")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylim(0, 1.03)
+    axes[0].set_ylabel("accuracy on held-out programs")
+    axes[-1].legend(loc="lower right", fontsize=9)
+    return fig
+
+
+def final_accuracy(result: dict, hops: int) -> dict[int, list[float]]:
+    """{K: [accuracy at `hops` after the last step, one per seed, in seed order]} of a depth_demo result."""
+    out = {}
+    for run in sorted(result["runs"], key=lambda r: (r["n_iter"], r["seed"])):
+        out.setdefault(run["n_iter"], []).append(run["curve"][-1][1][str(hops)])
+    return out
+
+
+def seeds_figure(result: dict, solved: float = 0.9) -> NotebookFigure:
+    """One dot per seed: final accuracy by hop count at K = 1 and K = 3, each seed's two runs joined by a line."""
+    hops = sorted(int(h) for h in result["runs"][0]["curve"][0][1])
+    fig = NotebookFigure(figsize=(11, 4.2))
+    axes = fig.subplots(1, len(hops), sharey=True)
+    for ax, h in zip(axes, hops):
+        acc = final_accuracy(result, h)
+        ks = sorted(acc)
+        for s in range(len(acc[ks[0]])):
+            ax.plot(range(len(ks)), [acc[k][s] for k in ks], "-", color="0.75", lw=1, zorder=1)
+        for j, k in enumerate(ks):
+            ax.scatter([j] * len(acc[k]), acc[k], color=f"C{j}", zorder=2, s=30)
+            ax.text(j, -0.12, f"{sum(a >= solved for a in acc[k])}/{len(acc[k])} ≥ {solved}", ha="center", fontsize=9,
+                    transform=ax.get_xaxis_transform())
+        init = [r["curve"][0][1][str(h)] for r in result["runs"]]  # the untrained models (step 0)
+        ax.axhline(sum(init) / len(init), color="0.4", ls=":", lw=1, label="untrained (mean of all runs)")
+        ax.set_xticks(range(len(ks)), [f"K = {k}" for k in ks])
+        ax.set_xlim(-0.5, len(ks) - 0.5)
+        ax.set_title(f"{h}-hop statements")
+        ax.set_ylim(0, 1.03)
+    axes[0].set_ylabel(f"accuracy after {result['setting']['steps']} steps")
+    axes[0].legend(loc="lower left", fontsize=9)
+    deep = final_accuracy(result, hops[-1])
+    fig.suptitle(f"{hops[-1]}-hop chains solved (accuracy ≥ {solved}) in {sum(a >= solved for a in deep[max(deep)])}/"
+                 f"{len(deep[max(deep)])} seeds at K = {max(deep)}, {sum(a >= solved for a in deep[min(deep)])}/"
+                 f"{len(deep[min(deep)])} at K = {min(deep)}\n"
+                 "(one dot per seed; a line joins a seed's two runs: one random init, the same data)")
+    fig.tight_layout()
+    return fig
+
+
+def trained_chain_model(seed: int):
+    """The AsymLoop (E = D = 1) trained at K = 3 on binding chains by the chain_task experiment, from its committed
+    weights (notebooks/results/chain_weights/asymloop_k3-s<seed>.safetensors; seeds 0, 1 and 3 converged)."""
+    from safetensors.torch import load_file
+
+    from minimal_asymloop.experiments.chain import CHAIN_TASK, chain_models
+    from minimal_asymloop.model import LoopedLM
+    from minimal_asymloop.paths import RESULTS
+    from minimal_asymloop.tasks import ChainTask
+
+    path = RESULTS / "chain_weights" / f"asymloop_k3-s{seed}.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; committed seeds: 0, 1, 3 (python -m minimal_asymloop.experiments chain_task)")
+    model = LoopedLM(chain_models(ChainTask(**CHAIN_TASK))["asymloop_k3"])
+    model.load_state_dict(load_file(str(path)))
+    return model.eval()
+
+
+def test_time_figure(acc: dict) -> NotebookFigure:
+    """3-hop (and 2-hop) accuracy of trained K = 3 models run with k iterations: acc = {seed: {k: {hops: accuracy}}}."""
+    fig = NotebookFigure(figsize=(7, 4))
+    ax = fig.subplots()
+    for j, (seed, by_k) in enumerate(sorted(acc.items())):
+        ks = sorted(by_k)
+        ax.plot(ks, [by_k[k][3] for k in ks], "o-", color=f"C{j}", label=f"seed {seed}: 3 hops")
+        ax.plot(ks, [by_k[k][2] for k in ks], "s--", color=f"C{j}", alpha=0.5, ms=4, label=f"seed {seed}: 2 hops")
+    ax.axvline(3, color="0.5", ls=":", lw=1)
+    ax.text(3.05, 0.05, "trained K", color="0.4")
+    ax.set_xticks(ks)
+    ax.set_xlabel("iterations k at test time (effective depth 1 + k)")
+    ax.set_ylabel("accuracy on held-out programs")
+    ax.set_ylim(0, 1.03)
+    ax.set_title("The same trained weights: 3 hops need the iterations")
+    ax.legend(fontsize=8, loc="lower right", ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def chain_seeds(result: dict, hops: int = 3) -> dict[int, list[float]]:
+    """{K: [final `hops` accuracy per seed]} of the AsymLoop K = 1 and K = 3 runs of chain_task.json."""
+    out = {}
+    for r in sorted(result["runs"], key=lambda r: r["seed"]):
+        if r["name"] in ("asymloop_k1", "asymloop_k3"):
+            out.setdefault(r["n_iter"], []).append(r["acc_by_test_k"][str(r["n_iter"])][str(hops)])
+    return out

@@ -1,0 +1,87 @@
+"""Notebook 00's tables and figures (course.tour) and its closing demo (experiments.depth_demo)."""
+
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+from minimal_asymloop.course import tour
+from minimal_asymloop.experiments.depth_demo import demo_model
+from minimal_asymloop.flops import count_params
+from minimal_asymloop.model import ModelConfig
+
+
+def _paper_precision(r):
+    return (round(r["full"], 6), round(r["asym"], 6), round(r["proj"], 2), round(r["attn"], 2), round(r["overhead"], 2))
+
+
+def test_table9_reproduces_the_paper_to_every_printed_digit():
+    rows = tour.table9()
+    assert [r["size"] for r in rows] == ["60m", "135m", "350m", "1b"]
+    for r in rows:
+        assert _paper_precision(r) == r["paper"], r["size"]
+
+
+def test_table9_check_tells_a_wrong_setting_apart():
+    """The same comparison fails at another sequence length: the match is not loose enough to hold anywhere."""
+    assert all(_paper_precision(r) != r["paper"] for r in tour.table9(seq_len=2048))
+
+
+def test_share_is_overhead_over_one_plus_overhead():
+    for r in tour.table9():
+        assert r["share"] == pytest.approx(100 * r["overhead"] / (100 + r["overhead"]))
+        assert r["share"] < r["overhead"]
+    assert "| 60m | 0.256967 (0.256967) | 0.292356 (0.292356) | 2.75 (2.75) | 11.02 (11.02) | 13.77 (13.77) | 12.10" in \
+        tour.table9_markdown(tour.table9())
+
+
+def test_table10_parameters_match_the_paper():
+    for size, (full_p, asym_p) in tour.TABLE10_PARAMS.items():
+        assert round(count_params(ModelConfig.from_preset(size, "full_loop")) / 1e6, 2) == full_p
+        assert round(count_params(ModelConfig.from_preset(size, "asymloop")) / 1e6, 2) == asym_p
+    assert "| 60m | 91.83M (91.83M) | 95.37M (95.37M) | 3.54M = 3.9% |" in tour.table10_markdown()
+
+
+def test_demo_models_share_initial_weights_across_k():
+    """One random draw at every K; only the residual output projections (wo, mlp.down) are scaled by
+    1/sqrt(2·effective depth): depth 2 at K = 1, 4 at K = 3, a factor sqrt(2) apart."""
+    a, b = demo_model(1, seed=0).state_dict(), demo_model(3, seed=0).state_dict()
+    assert a.keys() == b.keys()
+    scaled = [n for n in a if n.endswith(("attn.wo.weight", "mlp.down.weight"))]
+    assert len(scaled) == 4 and all(torch.equal(a[n], b[n]) for n in a if n not in scaled)
+    assert all(torch.allclose(a[n], b[n] * 2 ** 0.5) for n in scaled)
+    c = demo_model(1, seed=1).state_dict()
+    assert not all(torch.equal(a[n], c[n]) for n in a)  # another seed, other weights
+
+
+def _fake_result(deep_k1, deep_k3, steps=100):
+    runs = []
+    for k, accs in ((1, deep_k1), (3, deep_k3)):
+        for seed, a in enumerate(accs):
+            runs.append(dict(n_iter=k, seed=seed, curve=[(0, {"1": 0.3, "2": 0.3, "3": 0.3}), (steps, {"1": 1.0, "2": a, "3": a})]))
+    return dict(setting=dict(steps=steps), runs=runs)
+
+
+def test_final_accuracy_is_per_k_in_seed_order():
+    res = _fake_result([0.5, 0.6], [0.95, 0.4])
+    res["runs"].reverse()
+    assert tour.final_accuracy(res, hops=3) == {1: [0.5, 0.6], 3: [0.95, 0.4]}
+
+
+def test_figures_build_and_count_solved_seeds():
+    assert isinstance(tour.architectures_figure(), Figure)
+    res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995])
+    fig = tour.seeds_figure(res)
+    assert fig._suptitle.get_text().startswith("3-hop chains solved (accuracy ≥ 0.9) in 4/5 seeds at K = 3, 0/5 at K = 1")
+    live = {k: dict(curve=r["curve"]) for k, r in ((1, res["runs"][0]), (3, res["runs"][5]))}
+    assert len(tour.live_figure(live).axes) == 3
+
+
+def test_trained_chain_model_names_the_committed_seeds():
+    with pytest.raises(FileNotFoundError, match="committed seeds: 0, 1, 3"):
+        tour.trained_chain_model(2)
+
+
+def test_chain_seeds_reads_k1_and_k3_in_seed_order():
+    runs = [dict(name=f"asymloop_k{k}", seed=s, n_iter=k, acc_by_test_k={str(k): {"3": s / 10 + k}}) for s in (1, 0) for k in (1, 3)]
+    runs.append(dict(name="dense_l4", seed=0, n_iter=1, acc_by_test_k={"1": {"3": 9.0}}))
+    assert tour.chain_seeds(dict(runs=runs)) == {1: [1.0, 1.1], 3: [3.0, 3.1]}
