@@ -33,6 +33,7 @@ from minimal_asymloop.metrics import (  # noqa: F401 (re-exported)
     plot_metrics,
     plot_stable_rank,
     read_metrics,
+    restore_metrics,
     trim_metrics,
 )
 from minimal_asymloop.model import LoopedLM, ModelConfig
@@ -151,6 +152,7 @@ class Run:
     stat_names: list = field(default_factory=list)  # the names of a pending step's stats[3:]: MoE's aux losses, load entropies
     t_log: float = 0.0  # when the first pending step started
     compiled: bool = False  # the step runs torch.compile'd (compile_and_wrap decides)
+    saves: int = 0  # checkpoints this process wrote
 
     @property
     def master(self) -> bool:
@@ -236,7 +238,7 @@ def resume(run: Run):
     run.overflow_skipped = state.get("overflow_skipped", 0)
     run.wandb_id = state.get("wandb_id")
     if run.master:
-        trim_metrics(run.out_dir, run.step, run.say)
+        restore_metrics(run.out_dir, Path(meta["path"]) / ckpt.METRICS, run.step, run.say)  # the checkpoint's copy
     run.say(f"resumed from {meta['path']} at step {run.step}")
 
 
@@ -389,6 +391,7 @@ def save(run: Run, val_loss: float | None, best: bool):
                           unigram_entropy=data.unigram_entropy),
                 step=run.step, val_loss=val_loss, best_val_loss=run.best_val)
     ckpt.save_checkpoint(run.out_dir, run.raw, state, meta, data.tokenizer, best=best, keep_every=cfg.keep_every)
+    run.saves += 1
 
 
 # ----------------------------------------------------------------------------- wrap-up

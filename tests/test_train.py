@@ -135,7 +135,7 @@ def test_corrupt_missing_and_newer_checkpoints_are_clear_errors(tiny_checkpoint,
     shutil.copytree(ckpt.find_checkpoint(tiny_checkpoint), bad)
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(ckpt.CheckpointError, match="is corrupt: model.safetensors does not match the checksum in meta.json"):
+    with pytest.raises(ckpt.CheckpointError, match="is corrupt: model.safetensors does not match the checksum in manifest.json"):
         ckpt.load_model(bad)
     (bad / "state.pt").write_bytes(b"not a zip")
     with pytest.raises(ckpt.CheckpointError, match="corrupt: state.pt"):
