@@ -411,13 +411,14 @@ def download(repo: str) -> Path:
                               f"Hub reachable, or pass a local folder (an export or a run's out_dir)") from None
 
 
-def check_resume(meta: dict, model_cfg: ModelConfig, cfg, data_meta: dict):
-    """Refuse a resume whose model, training settings (but those RESUME_MAY_CHANGE) or data differ from the checkpoint's."""
+def check_resume(meta: dict, model_cfg: ModelConfig, cfg, data_meta: dict | None = None):
+    """Refuse a resume whose model, training settings (but those RESUME_MAY_CHANGE) or data differ from the checkpoint's
+    (data_meta None: before the data is prepared, the settings only)."""
     diffs = [f"{k}: {v!r} -> {model_cfg.to_dict().get(k)!r}" for k, v in meta["model_config"].items() if model_cfg.to_dict().get(k) != v]
     now = asdict(cfg)
     diffs += [f"{k}: {v!r} -> {now.get(k)!r}" for k, v in meta["train_config"].items()
               if k not in RESUME_MAY_CHANGE and now.get(k) != v]
-    if meta.get("data", {}).get("identity") != data_meta["identity"]:
+    if data_meta is not None and meta.get("data", {}).get("identity") != data_meta["identity"]:
         diffs.append(f"data: {meta.get('data', {}).get('identity')} -> {data_meta['identity']}")
     if diffs:
         raise ConfigError(f"cannot resume from {meta['path']}: the config differs from the checkpoint's ({'; '.join(diffs)}); "

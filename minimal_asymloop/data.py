@@ -18,6 +18,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -48,6 +49,7 @@ from minimal_asymloop.sources import (
     source_identity,
     train_bpe,
 )
+from minimal_asymloop.system import cpu_cores
 
 DATA_FORMAT = 1  # bump when the on-disk layout changes; part of the cache key
 SHARD_TOKENS = 100_000_000  # llm.c-sized shards (ours); a shard is also the unit that an interrupted preparation resumes at
@@ -122,8 +124,9 @@ def prepare(source: str = "stdlib", tokenizer: str = "bpe", bpe_vocab: int = 819
     """
     if tokenizer not in TOKENIZERS:
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
-        raise DataError(f"data workers must be a positive integer or None (one per CPU core but one), got {workers!r}")
+    if workers is not None and (not isinstance(workers, int) or workers < 1 or workers > cpu_cores()):
+        raise DataError(f"data workers must be a positive integer up to this machine's {cpu_cores()} CPU cores, or None (one per "
+                        f"core but one), got {workers!r}")
     ident = source_identity(source, max_tokens)
     val_fraction = val_fraction if val_fraction is not None else default_val_fraction(ident)
     tok_ident = {"t5": dict(name="t5", repo=T5_REPO), "smollm": dict(name="smollm", repo=SMOLLM_TOKENIZER)}.get(
@@ -139,8 +142,7 @@ def prepare(source: str = "stdlib", tokenizer: str = "bpe", bpe_vocab: int = 819
 def default_workers() -> int:
     """One tokenizer process per CPU core, leaving one core to stream documents and write shards, and at most 32:
     one process feeds them all (ours; not measured on a many-core host)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores - 1, 32))
+    return max(1, min(cpu_cores() - 1, 32))
 
 
 def load_prepared(folder) -> Prepared:
@@ -243,6 +245,7 @@ _worker = {}  # a tokenizer process's tokenizer and settings, set once by _init_
 
 def _init_worker(tok_json: str, eot: int, dtype, val_fraction: float, parent: int):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process: the processes are the parallelism
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent alone stops, in one line
     _worker.update(tok=Tokenizer.from_str(tok_json), eot=eot, dtype=dtype, val_fraction=val_fraction)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 

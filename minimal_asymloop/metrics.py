@@ -17,6 +17,11 @@ from minimal_asymloop.runfolder import RunFolderError, after_write_failure, why_
 from minimal_asymloop.system import rank_and_world
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), inf past float range (a diverged run's loss above ~709 nats would overflow math.exp)."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
 def log_metrics(out_dir, row: dict, wandb_run=None):
     """Append one JSON object to out_dir/metrics.jsonl (rank 0 only), and the same row to wandb_run if given.
     Every logged figure goes through here."""

@@ -124,6 +124,17 @@ def _gsm8k(folder: Path) -> Path:
     return folder
 
 
+def _with_no_data(option: str, value: str):
+    """argv builder: the test run with `option value` and a --data that does not exist (reaching the data is a failure)."""
+    return lambda d, t, r, c: _train_argv(d, t / "o", option, value, "--data", str(t / "nope.txt"))
+
+
+def _gsm8k_with(folder: Path, train: bytes) -> Path:
+    """A GSM8K folder whose train.jsonl holds `train`."""
+    _gsm8k(folder)
+    return _write(folder / "train.jsonl", train)
+
+
 def _ft_argv(t: Path, ckpt_dir, out, *extra) -> list[str]:
     return ["--ckpt", str(ckpt_dir), "--data", str(_gsm8k(t / "gsm8k")), "--out-dir", str(out), "--n-dev", "2", "--seq-len", "64",
             "--epochs", "1", "--global-batch", "2", "--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32", "--quiet", *extra]
@@ -248,6 +259,57 @@ CASES = [
     ("finetune-seq-len>max", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--seq-len", "4096"),
      "seq_len=4096 exceeds the model's max_seq_len=64; pass --seq-len 64 or less"),
     ("finetune-lr-negative", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--lr", "-1"), "lr must be in (0, inf), got -1.0; raise it"),
+    # values out of range, answered before any data is prepared (--data points nowhere: reaching it would be another error)
+    *[(f"{opt}={v}", T, _with_no_data(f"--{opt}", v), want)
+      for opt, v, want in [
+          ("seed", "-1", "seed must be an integer in [0, 2**63 - 1], got -1"),
+          ("seed", "1e30", "seed must be an integer in [0, 2**63 - 1], got 1000000000000000019884624838656"),
+          ("init-std", "-1", "init_std must be a finite number > 0, got -1.0"),
+          ("init-std", "nan", "init_std must be a finite number > 0, got nan"),
+          ("init-std", "inf", "init_std must be a finite number > 0, got inf"),
+          ("rope-theta", "-1", "rope_theta must be a finite number > 0, got -1.0"),
+          ("rope-theta", "0", "rope_theta must be a finite number > 0, got 0.0"),
+          ("rope-theta", "nan", "rope_theta must be a finite number > 0, got nan"),
+          ("rope-theta", "inf", "rope_theta must be a finite number > 0, got inf"),
+          ("norm-eps", "-1", "norm_eps must be a finite number > 0, got -1.0"),
+          ("norm-eps", "nan", "norm_eps must be a finite number > 0, got nan"),
+          ("norm-eps", "inf", "norm_eps must be a finite number > 0, got inf"),
+          ("moe-balance-weight", "nan", "moe_balance_weight must be a finite number >= 0, got nan"),
+          ("moe-balance-weight", "inf", "moe_balance_weight must be a finite number >= 0, got inf"),
+          ("alrs-hi", "inf", "alrs_hi must be in (0, 100] (ours: a larger LR multiplier only diverges), got inf; lower it"),
+          ("alrs-hi", "1e30", "alrs_hi must be in (0, 100] (ours: a larger LR multiplier only diverges), got 1e+30; lower it"),
+          ("out-dir", "", "out_dir must name a folder, got ''; e.g. --out-dir out"),
+          ("data-cache", "", "data_cache must name a folder, got ''; e.g. --data-cache data_cache"),
+          ("data-workers", "100000", "data_workers=100000 exceeds this machine's "),
+          ("n-layer", "1000000", "this model needs at least "),
+          ("d-model", "1000000", "this model needs at least "),
+          ("vocab-size", "1e10", "this model needs at least "),
+          ("max-seq-len", "1e10", "this model needs at least "),
+      ]],
+    ("eval-batches-1e9", T, lambda d, t, r, c: _train_argv(d, t / "o", "--eval-batches", "1e9"),
+     "--eval-batches asks for 8,000,000,000 evaluation windows of 33 tokens"),
+    ("beta2-0-is-valid", T, lambda d, t, r, c: _train_argv(d, t / "o", "--beta2", "0", "--stop-step", "1", "--seq-len", "9999"),
+     "seq_len=9999 exceeds the model's max_seq_len=64"),  # beta2=0 passes the checks: the next problem is reported
+    ("data-jsonl-text-a-number", T, lambda d, t, r, c: _train_argv(d, t / "o", "--data", str(_write(t / "j" / "a.jsonl", b'{"text": 5}\n')),
+                                                                   "--data-cache", str(t / "dc")),
+     "document 1 has a 'text' of 5, not a string"),
+    ("data-jsonl-text-null", T, lambda d, t, r, c: _train_argv(d, t / "o", "--data", str(_write(t / "j" / "a.jsonl", b'{"text": null}\n')),
+                                                               "--data-cache", str(t / "dc")),
+     "document 1 has a 'text' of null, not a string"),
+    ("sample-temperature-nan", S, lambda d, t, r, c: ["--ckpt", str(c), "--temperature", "nan"],
+     "--temperature must be >= 0 (0 = greedy) and finite, got nan"),
+    ("eval-device-tpu", E, lambda d, t, r, c: ["--ckpt", str(c), "--device", "tpu"], "unknown device 'tpu'; choose one of auto, cuda"),
+    ("eval-batches-1000000", E, lambda d, t, r, c: ["--ckpt", str(c), "--device", "cpu", "--eval-batches", "1000000"],
+     "--eval-batches asks for 8,000,000 evaluation windows of 33 tokens"),
+    ("finetune-device-tpu", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--device", "tpu"), "unknown device 'tpu'; choose one of auto"),
+    ("finetune-dtype-foo", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--dtype", "foo"), "unknown dtype 'foo'; choose one of auto"),
+    ("finetune-seed-negative", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--seed", "-1"), "seed must be an integer in [0, 2**63 - 1]"),
+    ("finetune-not-utf8", F, lambda d, t, r, c: [*_ft_argv(t, c, t / "ft"), "--data", str(_gsm8k_with(t / "g", b"caf\xe9\n"))],
+     "train.jsonl (byte 0xe9 at offset 3) is not UTF-8 text"),
+    ("finetune-row-a-list", F, lambda d, t, r, c: [*_ft_argv(t, c, t / "ft"), "--data", str(_gsm8k_with(t / "g", b"[1, 2]\n"))],
+     "train.jsonl:1 is [1, 2], not a JSON object"),
+    ("finetune-row-null", F, lambda d, t, r, c: [*_ft_argv(t, c, t / "ft"), "--data", str(_gsm8k_with(t / "g", b"null\n"))],
+     "train.jsonl:1 is null, not a JSON object"),
     ("finetune-out-dir-under-a-file", F, lambda d, t, r, c: _ft_argv(t, c, _write(t / "f", b"x") / "f" / "ft"),
      "(Not a directory); choose a writable --out-dir"),
 ]

@@ -3,14 +3,19 @@ travels in each checkpoint (manifest-checked) and comes back on --resume, a fres
 and a copy that followed the `latest` link still resumes and saves."""
 
 import json
+import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_bad_input import _train_argv
 from test_faults import _rows, _straight_and_stopped
 
+import train_minimal
 from minimal_asymloop import checkpoint as ckpt
+from minimal_asymloop import evaluate, trainer
+from minimal_asymloop.config import ConfigError
 from minimal_asymloop.metrics import NonFiniteLossError
 from minimal_asymloop.runfolder import RunFolderError
 from minimal_asymloop.trainer import NAN_ENV, read_metrics, train
@@ -76,3 +81,54 @@ def test_the_checkpoint_holds_the_history_up_to_its_step(tiny_checkpoint):
     folder = ckpt.find_checkpoint(tiny_checkpoint)
     rows = [json.loads(line) for line in (folder / ckpt.METRICS).read_text().splitlines()]
     assert rows == read_metrics(tiny_checkpoint) and rows[-1]["step"] == 30
+
+
+def test_resume_with_a_changed_data_option_is_refused_before_any_data_preparation(tiny_configs, tmp_path):
+    mcfg, ref, half = _straight_and_stopped(tiny_configs, tmp_path, steps=8, stop=4)
+    cache = tmp_path / "new_cache"  # the refusal must come before anything is prepared here
+    with pytest.raises(ConfigError, match=r"the config differs from the checkpoint's \(val_fraction: 0.2 -> 0.3"):
+        train(mcfg, replace(half, stop_step=None, resume=True, val_fraction=0.3, data_cache=str(cache)))
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_evaluate_all_checkpoints_takes_the_newest_resave_and_refuses_a_damaged_meta_in_one_line(tiny_configs, tmp_path, capsys):
+    mcfg, ref, half = _straight_and_stopped(tiny_configs, tmp_path, keep_every=4)
+    out = Path(half.out_dir)
+    shutil.copytree(out / "ckpt_0000008", out / "ckpt_0000008.1")  # the re-save of step 8 after a fallback
+    assert [p.name for p in evaluate.kept_checkpoints(out)] == ["ckpt_0000004", "ckpt_0000008.1"]
+    (out / "ckpt_0000004" / "meta.json").write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--ckpt", str(out), "--all-checkpoints", "--device", "cpu"])
+    assert str(e.value.code).startswith(f"error: checkpoint {out / 'ckpt_0000004'} is corrupt: meta.json does not match the checksum")
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_validation_loss_past_exps_range_is_logged_with_an_infinite_perplexity(tiny_configs, monkeypatch):
+    """--beta2 0 (valid) can diverge to a validation loss above ~709 nats, where math.exp overflows: the run must still
+    log it and write its checkpoint."""
+    monkeypatch.setattr(trainer, "evaluate_loss", lambda *a, **k: 800.0)
+    mcfg, tcfg = tiny_configs(max_steps=2, eval_interval=2, beta2=0.0)
+    res = train(mcfg, tcfg)
+    assert res["val_loss"] == 800.0 and read_metrics(tcfg.out_dir)[-1]["val_ppl"] == math.inf
+    assert ckpt.read_meta(tcfg.out_dir)["val_loss"] == 800.0
+
+
+@pytest.mark.parametrize("when", ["start-up", "a second Ctrl-C at step 3"])
+def test_ctrl_c_at_start_up_or_a_second_one_is_one_line_and_exit_130(when, data_cache, tmp_path, monkeypatch, capsys):
+    real = trainer.optimizer_step
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    if when == "start-up":
+        monkeypatch.setattr(trainer, "data_for_run", interrupt)  # Ctrl-C while the data is prepared
+    else:
+        monkeypatch.setattr(trainer, "optimizer_step", lambda run, step, flag: interrupt() if step == 2 else real(run, step, flag))
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        train_minimal.main(_train_argv(data_cache, out, "--max-steps", "4"))
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("error: interrupted by Ctrl-C; " + (
+        "no checkpoint was written: start the run again (a data preparation continues where it stopped)" if when == "start-up"
+        else "the last checkpoint, ckpt_0000002, is intact: continue with --resume"))
