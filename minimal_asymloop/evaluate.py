@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from minimal_asymloop.metrics import perplexity
+from minimal_asymloop.runfolder import naming
 from minimal_asymloop.system import ConfigError, default_device, pick_device
 
 # The paper's seven zero/five-shot tasks in its Table 1's order: our name -> (column, lm-eval task name)
@@ -290,7 +291,8 @@ def over_training(args, names, tasks) -> dict:
     report = dict(run=str(Path(args.ckpt).resolve()), settings=settings, checkpoints=rows)
     write_json(out_path, report)
     fig = plot_over_training(rows, f"{rows[-1]['arch']} K={rows[-1]['n_iter']}: {Path(args.ckpt).resolve().name}")
-    fig.savefig(out_path.with_suffix(".png"), dpi=120)
+    with naming(out_path.with_suffix(".png")):
+        fig.savefig(out_path.with_suffix(".png"), dpi=120)
     print(f"wrote {out_path} and {out_path.with_suffix('.png')} ({len(rows)} checkpoints)")
     report["plot"] = str(out_path.with_suffix(".png"))
     return report

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import xxhash
 
-from minimal_asymloop.runfolder import os_error_line
+from minimal_asymloop.runfolder import naming, os_error_line
 
 MANIFEST = "manifest.json"
 CHECKSUM = "xxh3_128"  # (ours) ~10x sha256's speed on one core (docs/reliability.md)
@@ -41,7 +41,7 @@ def write_manifest(folder, names):
     folder = Path(folder)
     files = {n: file_checksum(folder / n) for n in names}
     tmp = folder / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
+    with naming(tmp), open(tmp, "w") as f:
         f.write(json.dumps(dict(format=1, hash=CHECKSUM, files=files), indent=1))
         f.flush()
         os.fsync(f.fileno())

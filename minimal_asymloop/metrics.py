@@ -138,6 +138,16 @@ def restore_metrics(out_dir, copy: Path, last_step: int, say=print):
         raise _append_failure(path, e) from None
 
 
+def save_figure(fig, path: Path):
+    """fig as a PNG at path; a failed write is one line with the path (the figures come after the run's last checkpoint)."""
+    try:
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    except OSError as e:
+        why, fix = why_and_fix(e)
+        raise RunFolderError(f"could not write {path}: {why}; the run itself is complete (its checkpoints and metrics.jsonl are "
+                             f"intact); {fix}") from None
+
+
 def plot_metrics(out_dir, unigram_entropy: float | None = None) -> Path:
     """Loss curve PNG (train and val cross-entropy vs step) next to metrics.jsonl."""
     from matplotlib.figure import Figure  # a bare Figure: no pyplot state, the caller's backend is left alone
@@ -157,7 +167,7 @@ def plot_metrics(out_dir, unigram_entropy: float | None = None) -> Path:
     ax.legend()
     ax.grid(alpha=0.3)
     path = Path(out_dir) / "loss.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    save_figure(fig, path)
     return path
 
 
@@ -180,7 +190,7 @@ def plot_stable_rank(out_dir) -> Path | None:
     ax.legend()
     ax.grid(alpha=0.3)
     path = Path(out_dir) / "srank.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    save_figure(fig, path)
     return path
 
 

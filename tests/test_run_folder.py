@@ -14,10 +14,11 @@ from test_faults import _rows, _straight_and_stopped
 
 import train_minimal
 from minimal_asymloop import checkpoint as ckpt
-from minimal_asymloop import evaluate, trainer
+from minimal_asymloop import evaluate, integrity, trainer
 from minimal_asymloop.config import ConfigError
 from minimal_asymloop.metrics import NonFiniteLossError
 from minimal_asymloop.runfolder import RunFolderError
+from minimal_asymloop.sources import DataError
 from minimal_asymloop.trainer import NAN_ENV, read_metrics, train
 
 HISTORY_DAMAGE = {
@@ -132,3 +133,105 @@ def test_ctrl_c_at_start_up_or_a_second_one_is_one_line_and_exit_130(when, data_
     assert err.strip().splitlines()[-1] == ("error: interrupted by Ctrl-C; " + (
         "no checkpoint was written: start the run again (a data preparation continues where it stopped)" if when == "start-up"
         else "the last checkpoint, ckpt_0000002, is intact: continue with --resume"))
+
+
+# ----------------------------------------------------------------------------- the data cache, full disks, the lock
+
+
+def _prepared(data_cache) -> Path:
+    return next(p for p in Path(data_cache).iterdir() if (p / "meta.json").exists())
+
+
+def _cache_copy(data_cache, tmp_path) -> Path:
+    copy = tmp_path / "cache"
+    shutil.copytree(data_cache, copy)
+    return copy
+
+
+def _flip(path: Path, at: int, value: int | None = None):
+    data = bytearray(path.read_bytes())
+    data[at] = data[at] ^ 1 if value is None else value
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["a train token bit", "a val token bit", "tokens >= vocab, manifest rewritten", "tokenizer.json"])
+def test_a_damaged_data_cache_is_one_line_before_a_step(damage, data_cache, tmp_path, capsys):
+    cache = _cache_copy(data_cache, tmp_path)
+    folder = _prepared(cache)
+    meta = json.loads((folder / "meta.json").read_text())
+    if damage == "a train token bit":
+        _flip(folder / meta["train_files"][0], 1001)
+        want = f"is corrupt: {meta['train_files'][0]} does not match the checksum in manifest.json"
+    elif damage == "a val token bit":
+        _flip(folder / meta["val_files"][0], 1001)
+        want = f"is corrupt: {meta['val_files'][0]} does not match the checksum in manifest.json"
+    elif damage == "tokens >= vocab, manifest rewritten":
+        _flip(folder / meta["train_files"][0], 1001, 0xFF)  # the high byte of a little-endian uint16: id >= 65280
+        integrity.write_manifest(folder, integrity.read_manifest(folder))
+        want = "outside its tokenizer's 512 tokens (damaged shards); delete that folder to re-prepare"
+    else:
+        (folder / "tokenizer.json").write_text("{not json")
+        want = "is corrupt: tokenizer.json does not match the checksum in manifest.json"
+    with pytest.raises(SystemExit) as e:
+        train_minimal.main(_train_argv(cache, tmp_path / "o"))
+    assert want in str(e.value.code) and str(e.value.code).startswith("error: prepared data ")
+    assert "Traceback" not in capsys.readouterr().err and not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_a_data_cache_prepared_before_manifests_gets_one_and_says_so(data_cache, tmp_path, capsys):
+    cache = _cache_copy(data_cache, tmp_path)
+    (_prepared(cache) / "manifest.json").unlink()
+    from minimal_asymloop.data import load_prepared
+
+    load_prepared(_prepared(cache))
+    assert "had no manifest.json (prepared before shards were checksummed); recorded the checksums" in capsys.readouterr().err
+    _flip(_prepared(cache) / "tokenizer.json", 10)
+    with pytest.raises(DataError, match="tokenizer.json does not match the checksum"):
+        load_prepared(_prepared(cache))
+
+
+def test_a_full_disk_while_preparing_data_names_the_file(tmp_path, capsys):
+    from test_faults import _file_size_limit
+
+    argv = _train_argv(tmp_path / "cache", tmp_path / "o")
+    with _file_size_limit(100_000), pytest.raises(SystemExit) as e:  # the train shard (~240 kB) does not fit
+        train_minimal.main(argv)
+    assert str(e.value.code).startswith(f"error: cannot use {tmp_path / 'cache'}/.partial-")
+    assert str(e.value.code).endswith("/train_000000.bin: a file size limit was hit; raise the limit (ulimit -f) or free space")
+
+
+def test_a_full_disk_while_drawing_the_figures_names_the_file(tiny_configs, monkeypatch):
+    from matplotlib.figure import Figure
+
+    def full(self, path, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    mcfg, tcfg = tiny_configs(max_steps=2, eval_interval=2)
+    with pytest.raises(RunFolderError) as e:
+        train(mcfg, tcfg)
+    assert str(e.value) == (f"could not write {Path(tcfg.out_dir) / 'loss.png'}: the disk is full; the run itself is complete (its "
+                            f"checkpoints and metrics.jsonl are intact); free disk space")
+
+
+def test_a_lock_held_by_an_unrelated_process_names_that_process(tiny_configs, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    mcfg, tcfg = tiny_configs(max_steps=2)
+    out = Path(tcfg.out_dir)
+    out.mkdir(parents=True)
+    (out / ".lock").write_text(json.dumps(dict(pid=999999, kind="pretraining")) + "\n")  # a stale pid in the file
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)", str(out / ".lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.time()
+        with pytest.raises(RunFolderError, match=rf"is in use by another run \(pid {holder.pid}\); .*\(kill {holder.pid}\)"):
+            train(mcfg, tcfg)
+        assert time.time() - t0 < 30
+    finally:
+        holder.kill()
+        holder.wait()

@@ -171,3 +171,13 @@ def test_floor_rule_catches_an_upward_import(tmp_path, monkeypatch):
 
 def test_no_module_but_model_is_over_the_line_limit():
     assert not too_long(PACKAGE), f"over {MAX_LINES} lines: " + ", ".join(too_long(PACKAGE)) + "; split each by idea"
+
+
+def test_the_model_file_imports_only_what_the_model_needs():
+    """A reader of model.py pulls in its kernels, decoding and loss, never the data pipeline or evaluation."""
+    graph, seen, todo = imports(PACKAGE), set(), ["model"]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    assert seen == {"generate", "kernels", "loss"}, seen
