@@ -125,9 +125,12 @@ def prepare(source: str = "stdlib", tokenizer: str = "bpe", bpe_vocab: int = 819
     """
     if tokenizer not in TOKENIZERS:
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
-    if workers is not None and (not isinstance(workers, int) or workers < 1 or workers > cpu_cores()):
-        raise DataError(f"data workers must be a positive integer up to this machine's {cpu_cores()} CPU cores, or None (one per "
-                        f"core but one), got {workers!r}")
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise DataError(f"data workers must be a positive integer or None (one per CPU core but one), got {workers!r}")
+    if workers is not None and workers > cpu_cores():  # the tokens never depend on it; more processes than cores only cost memory
+        if not quiet:
+            print(f"note: {workers} data workers capped at this machine's {cpu_cores()} CPU cores", file=sys.stderr)
+        workers = cpu_cores()
     ident = source_identity(source, max_tokens)
     val_fraction = val_fraction if val_fraction is not None else default_val_fraction(ident)
     tok_ident = {"t5": dict(name="t5", repo=T5_REPO), "smollm": dict(name="smollm", repo=SMOLLM_TOKENIZER)}.get(

@@ -7,7 +7,8 @@ the manifest itself included, is caught before the file is used (a changed manif
 It catches disk, copy and transfer errors, not forgery: anyone who can write a file can rewrite the manifest, which is
 why state.pt is also loaded with `weights_only=True`.
 
-    python -m minimal_asymloop.integrity CKPT   # give a checkpoint saved before manifests (format_version 1) its manifest
+    python -m minimal_asymloop.integrity PATH   # give the checkpoints saved before manifests (format_version 1) in PATH
+                                                # (a checkpoint, a run's out_dir or a folder of runs) their manifests
 """
 
 import json
@@ -100,12 +101,18 @@ def upgrade(folder) -> list[str]:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0].startswith("-"):
-        sys.exit("usage: python -m minimal_asymloop.integrity CKPT_FOLDER   (writes CKPT_FOLDER/manifest.json; read meta.json first)")
-    try:
-        names = upgrade(argv[0])
-    except (CheckpointError, OSError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    print(f"wrote {Path(argv[0]) / MANIFEST} covering {', '.join(names)}")
+        sys.exit("usage: python -m minimal_asymloop.integrity PATH   (a checkpoint folder, a run's out_dir or a folder of runs)")
+    root = Path(argv[0])
+    old = sorted({m.parent for m in [root / "meta.json", *root.rglob("meta.json")]
+                  if m.is_file() and (m.parent / "state.pt").exists() and not (m.parent / MANIFEST).exists()})
+    if not old:
+        sys.exit(f"error: no checkpoint without a {MANIFEST} under {root}")
+    for folder in old:
+        try:
+            names = upgrade(folder)
+        except (CheckpointError, OSError, ValueError) as e:
+            sys.exit(f"error: {e}")
+        print(f"wrote {folder / MANIFEST} covering {', '.join(names)}")
 
 
 if __name__ == "__main__":

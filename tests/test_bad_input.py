@@ -281,7 +281,7 @@ CASES = [
           ("out-dir", "", "out_dir must name a folder, got ''; e.g. --out-dir out"),
           ("data-cache", "", "data_cache must name a folder, got ''; e.g. --data-cache data_cache"),
           ("data-workers", "100000", "data_workers=100000 exceeds this machine's "),
-          ("n-layer", "1000000", "this model needs at least "),
+          ("n-layer", "100000000", "this model needs at least "),
           ("d-model", "1000000", "this model needs at least "),
           ("vocab-size", "1e10", "this model needs at least "),
           ("max-seq-len", "1e10", "this model needs at least "),

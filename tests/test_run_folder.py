@@ -235,3 +235,21 @@ def test_a_lock_held_by_an_unrelated_process_names_that_process(tiny_configs, tm
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_format_1_checkpoint_is_refused_until_the_integrity_command_gives_it_a_manifest(tiny_checkpoint, tmp_path, capsys):
+    run = shutil.copytree(tiny_checkpoint, tmp_path / "run", symlinks=True)
+    for folder in run.glob("ckpt_*"):  # as the code before manifests saved it: meta.json holding the others' sums
+        (folder / "manifest.json").unlink()
+        (folder / "metrics.jsonl").unlink()
+        meta = json.loads((folder / "meta.json").read_text())
+        names = ("model.safetensors", "state.pt", "tokenizer.json")
+        (folder / "meta.json").write_text(json.dumps({**meta, "format_version": 1,
+                                                      "checksums": {n: integrity.file_checksum(folder / n) for n in names}}))
+    with pytest.raises(ckpt.CheckpointError, match=r"has no manifest.json: it was saved before meta.json was checksummed"):
+        ckpt.load_model(run)
+    integrity.main([str(tmp_path)])  # every checkpoint under a folder of runs
+    assert "wrote " in capsys.readouterr().out
+    assert ckpt.load_model(run)[2]["step"] == 30
+    with pytest.raises(SystemExit, match="no checkpoint without a manifest.json"):
+        integrity.main([str(tmp_path)])
