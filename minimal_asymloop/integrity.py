@@ -53,7 +53,8 @@ def read_manifest(folder, error=CheckpointError, what: str = "checkpoint") -> di
     """{file name: checksum} from folder/manifest.json, or `error` in one line (missing: FileNotFoundError)."""
     path = Path(folder) / MANIFEST
     try:
-        files = json.loads(path.read_text()).get("files")
+        manifest = json.loads(path.read_text())
+        files = manifest.get("files") if manifest.get("format") == 1 and manifest.get("hash") == CHECKSUM else None
     except FileNotFoundError:
         raise
     except OSError as e:
@@ -61,7 +62,8 @@ def read_manifest(folder, error=CheckpointError, what: str = "checkpoint") -> di
     except (ValueError, AttributeError) as e:
         raise error(f"{what} {folder} is corrupt: {MANIFEST} is not a valid manifest ({type(e).__name__}: {e})") from None
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        raise error(f"{what} {folder} is corrupt: {MANIFEST} is not a valid manifest (no 'files' object of checksums)")
+        raise error(f"{what} {folder} is corrupt: {MANIFEST} is not a valid manifest (format 1, hash {CHECKSUM} and a 'files' "
+                    f"object of checksums)")
     return files
 
 
