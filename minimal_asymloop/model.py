@@ -114,9 +114,6 @@ class ModelConfig:
                 self.moe_d_ff = max(1, self.d_ff // self.moe_top_k)
             if not isinstance(self.moe_d_ff, int) or self.moe_d_ff < 1:
                 bad(f"moe_d_ff must be a positive integer, got {self.moe_d_ff!r}")
-            if self.moe_balance_weight < 0 or self.moe_z_weight < 0:
-                bad(f"MoE aux loss weights must be >= 0, got moe_balance_weight={self.moe_balance_weight}, "
-                    f"moe_z_weight={self.moe_z_weight}")
         elif self.moe_d_ff is not None:
             bad(f"moe_d_ff={self.moe_d_ff} applies only with moe_experts > 0; set moe_experts (e.g. 8) or leave moe_d_ff unset")
         if self.dec_d_ff is not None:
