@@ -55,8 +55,13 @@ class UnsafeCheckpointError(CheckpointError):
 
 def verify(ckpt: Path, meta: dict | None, names) -> None:
     """Raise CheckpointError naming the first of `names` whose bytes differ from the checkpoint's manifest.json. A
-    model-only export (config.json, hub.py) has no manifest: the Hub checks its downloads itself."""
+    model-only export (hub.py) has no manifest: its config.json holds the checksums of the files it has them for."""
     if not (ckpt / "meta.json").exists() and (ckpt / "config.json").exists():
+        sums = (meta if meta is not None else read_meta(ckpt)).get("checksums") or {}
+        for name in (n for n in names if n in sums):
+            if file_checksum(ckpt / name) != sums[name]:
+                raise CheckpointError(f"export {ckpt} is corrupt: {name} does not match the checksum in config.json (its bytes "
+                                      f"changed after it was written: a disk, copy or transfer error)")
         return
     integrity.verify(ckpt, names)
 
