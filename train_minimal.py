@@ -23,6 +23,7 @@ import signal
 import sys
 import types
 from dataclasses import fields
+from pathlib import Path
 
 from minimal_asymloop.alrs import FIT_FNS
 from minimal_asymloop.checkpoint import CheckpointError
@@ -125,6 +126,14 @@ def build_parser(size: str = "tiny") -> argparse.ArgumentParser:
     return p
 
 
+def interrupted_state(out_dir) -> str:
+    """What an interrupted run leaves in out_dir, and how to go on."""
+    latest = Path(out_dir) / "latest"
+    if latest.exists():
+        return f"the last checkpoint, {latest.resolve().name}, is intact: continue with --resume"
+    return "no checkpoint was written: start the run again (a data preparation continues where it stopped)"
+
+
 def main(argv=None):
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--size", default="tiny")
@@ -154,6 +163,9 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     except OSError as e:  # a file system fault no check above names: the path, why and the fix, in one line
         sys.exit(f"error: {os_error_line(e)}")
+    except KeyboardInterrupt:  # Ctrl-C during start-up (data preparation), or a second Ctrl-C: no traceback
+        print(f"error: interrupted by Ctrl-C; {interrupted_state(train_cfg.out_dir)}", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     if result["step"] < min(result["total_steps"], train_cfg.stop_step or math.inf):  # a signal stopped it, here or on another rank
         sys.exit(128 + signal.Signals[result["signal"] or "SIGTERM"])
 

@@ -363,7 +363,10 @@ def plot_alrs(rows: list[dict], ramp_len: int, last_step: int, path) -> dict[str
         ax2.text(0.5, 0.5, "no encoder/decoder split\n(dense or full_loop)", ha="center", va="center", transform=ax2.transAxes)
     ax2.set(title="Decoder-to-encoder mean LR ratio", xlabel="step", ylabel="ratio")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:  # a full disk: the path in the one-line error (train_minimal.py)
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
     return ratios[-1]
 
 

@@ -1,14 +1,17 @@
 """The data a training run reads: its prepared data for the budget (data_for_run), its batches (BatchSampler, the same
-for any number of ranks), and the fixed evaluation windows."""
+for any number of ranks), and the fixed evaluation windows with the validation loss over them (evaluate_loss)."""
 
 import math
 import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from minimal_asymloop.data import SHARD_TOKENS, Tokens, prepare
+from minimal_asymloop.loss import compute_loss
 from minimal_asymloop.sources import DataError, fineweb_for_budget
+from minimal_asymloop.system import autocast_context, rank_and_world
 
 
 def data_for_run(model_cfg, cfg, local_rank: int, quiet: bool):
@@ -103,6 +106,43 @@ def to_device(a: np.ndarray, device) -> torch.Tensor:
 
 def eval_windows(tokens: Tokens, seq_len: int, count: int) -> np.ndarray:
     """Fixed start offsets for evaluation: `count` windows spread evenly over the split."""
+    check_eval_windows(tokens, seq_len, count)
+    return np.linspace(0, len(tokens) - seq_len - 1, count).astype(np.int64)
+
+
+def check_eval_windows(tokens: Tokens, seq_len: int, count: int, option: str = "--eval-batches"):
+    """Refuse more evaluation windows than the split has start positions: every further one repeats a window, and a
+    huge count would only allocate and run for hours."""
     if len(tokens) < seq_len + 1:
         raise DataError(f"val split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}; raise val_fraction or use more data")
-    return np.linspace(0, len(tokens) - seq_len - 1, count).astype(np.int64)
+    if count > len(tokens) - seq_len:
+        raise DataError(f"{option} asks for {count:,} evaluation windows of {seq_len + 1} tokens ({count * (seq_len + 1) * 8 / 1e9:.1f} GB "
+                        f"of int64 tokens), but the val split of {len(tokens):,} tokens has only {len(tokens) - seq_len:,} distinct "
+                        f"windows; lower {option}")
+
+
+@torch.no_grad()
+def evaluate_loss(model, tokens: Tokens, seq_len: int, batch_size: int, n_batches: int, device="cpu",
+                  dtype: torch.dtype = torch.float32, micro_batch: int | None = None) -> float:
+    """Mean cross-entropy (nats/token) over n_batches x batch_size fixed windows spread evenly over `tokens`.
+
+    The windows depend only on (tokens, seq_len, batch_size, n_batches); they are run in chunks of
+    micro_batch, and under DDP each rank takes every world_size-th chunk and the sums are all-reduced.
+    """
+    rank, world = rank_and_world()
+    starts = eval_windows(tokens, seq_len, n_batches * batch_size)
+    chunk = micro_batch or batch_size
+    acc = torch.float32 if torch.device(device).type == "mps" else torch.float64  # MPS has no float64
+    totals = torch.zeros(2, device=device, dtype=acc)  # (sum of per-window losses, windows)
+    was_training = model.training
+    model.eval()
+    for c in range(rank, math.ceil(len(starts) / chunk), world):
+        w = np.stack([tokens.window(int(s), seq_len + 1) for s in starts[c * chunk:(c + 1) * chunk]])
+        w = torch.from_numpy(w).to(device)  # (B, T+1)
+        with autocast_context(device, dtype):
+            _, ce, _ = compute_loss(model, w[:, :-1], w[:, 1:])
+        totals += torch.stack([ce.to(acc) * len(w), torch.tensor(float(len(w)), device=device, dtype=acc)])
+    model.train(was_training)
+    if world > 1:
+        dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()

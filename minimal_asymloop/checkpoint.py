@@ -3,16 +3,19 @@
     out_dir/ckpt_0000500/   model.safetensors  weights (safetensors: loading runs no code)
                             state.pt           optimizer, step, data position, RNG, lr-hook state, fp16 loss scale
                                                (loads with torch.load(weights_only=True))
-                            meta.json          format_version, model + train config, step, val loss, data,
-                                               and the checksum of each other file (xxh3-128)
+                            meta.json          format_version, model + train config, step, val loss, data
                             tokenizer.json     so the folder alone can generate text
+                            metrics.jsonl      the run's metrics up to this step: --resume restores them from here
+                            manifest.json      the checksum (xxh3-128) of every file above, meta.json included (integrity.py)
     out_dir/latest -> ckpt_0000500             symlinks, replaced atomically with os.replace
     out_dir/best   -> ckpt_0000500
     Older ckpt_* folders are deleted, except those at multiples of keep_every (--keep-every) when it is set.
 
 A save writes a temp folder, fsyncs it, renames it into place and only then moves the `latest`
 (and `best`) link, so a crash at any moment leaves `latest` pointing at a complete checkpoint. Loading verifies
-each file against its checksum; `--resume` falls back past a corrupt `latest` to the newest intact checkpoint.
+each file against the manifest before using it; `--resume` falls back past a corrupt `latest` (a damaged meta.json
+included) to the newest intact checkpoint. A checkpoint without a manifest (format_version 1, before meta.json was
+checksummed) is refused in one line naming the command that adds one.
 """
 
 import json
@@ -25,24 +28,22 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from minimal_asymloop import integrity
 from minimal_asymloop.config import RESUME_MAY_CHANGE
+from minimal_asymloop.integrity import MANIFEST, CheckpointError, file_checksum  # noqa: F401 (re-exported)
 from minimal_asymloop.model import LoopedLM, ModelConfig
 from minimal_asymloop.runfolder import after_write_failure, os_error_line, why_and_fix
 from minimal_asymloop.system import ConfigError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.json covers every file, meta.json included; 1: meta.json held the others' checksums
 DELAY_ENV = "MINIMAL_ASYMLOOP_CKPT_DELAY"  # test hook: seconds to sleep after each file and before the link moves
-FILES = ("model.safetensors", "state.pt", "tokenizer.json", "meta.json")
+FILES = ("model.safetensors", "state.pt", "tokenizer.json", "meta.json", MANIFEST)
+METRICS = "metrics.jsonl"  # the run's metrics.jsonl as it was at the save (a copy; a fine-tuning save has one too)
 EXPORT_FILES = ("model.safetensors", "config.json", "tokenizer.json")  # a model-only folder for the Hub (hub.py)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, corrupt, too new or incompatible; the message says which."""
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -52,32 +53,17 @@ class UnsafeCheckpointError(CheckpointError):
 # ----------------------------------------------------------------------------- checksums
 
 
-CHECKSUM = "xxh3_128"  # (ours) ~10x sha256's speed on one core; catches disk and copy errors, not forgery (meta.json is not signed)
-
-
-def file_checksum(path) -> str:
-    """`xxh3_128:<hex>` of a file's bytes, read in 16 MiB chunks."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return f"{CHECKSUM}:{h.hexdigest()}"
-
-
-def verify(ckpt: Path, meta: dict, names) -> None:
-    """Raise CheckpointError naming the first of `names` whose bytes differ from the checksum meta.json recorded.
-    A checkpoint written before checksums were recorded has none to check."""
-    sums = meta.get("checksums") or {}
-    for name in names:
-        if name not in sums:
-            continue
-        try:
-            got = file_checksum(ckpt / name)
-        except OSError as e:
-            raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
-        if got != sums[name]:
-            raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} does not match the checksum in meta.json (its bytes "
-                                  f"changed after it was written: a disk, copy or transfer error)")
+def verify(ckpt: Path, meta: dict | None, names) -> None:
+    """Raise CheckpointError naming the first of `names` whose bytes differ from the checkpoint's manifest.json. A
+    model-only export (hub.py) has no manifest: its config.json holds the checksums of the files it has them for."""
+    if not (ckpt / "meta.json").exists() and (ckpt / "config.json").exists():
+        sums = (meta if meta is not None else read_meta(ckpt)).get("checksums") or {}
+        for name in (n for n in names if n in sums):
+            if file_checksum(ckpt / name) != sums[name]:
+                raise CheckpointError(f"export {ckpt} is corrupt: {name} does not match the checksum in config.json (its bytes "
+                                      f"changed after it was written: a disk, copy or transfer error)")
+        return
+    integrity.verify(ckpt, names)
 
 
 def _fsync(path: Path):
@@ -89,7 +75,10 @@ def _fsync(path: Path):
 
 
 def _point(link: Path, target: str):
-    """Make `link` a symlink to `target` atomically (temp link, then os.replace)."""
+    """Make `link` a symlink to `target` atomically (temp link, then os.replace). A real folder there is a copy made by
+    following links (cp -rL, scp -r) of a checkpoint the run's ckpt_* folders also hold: it is replaced."""
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
     tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
     os.symlink(target, tmp)
@@ -132,20 +121,20 @@ def _write(tmp: Path, out_dir: Path, name: str, model: LoopedLM, state: dict, me
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     weights = {n: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
     meta = {"format_version": FORMAT_VERSION, **meta, "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    metrics = out_dir / METRICS
     writers = {
         "model.safetensors": lambda p: save_file(weights, str(p), metadata={"format": "pt"}),
         "state.pt": lambda p: _torch_save(state, p),
         "tokenizer.json": lambda p: tokenizer.save(str(p)),
         "meta.json": lambda p: p.write_text(json.dumps(meta, indent=1)),
+        METRICS: lambda p: shutil.copyfile(metrics, p) if metrics.exists() else p.write_bytes(b""),
     }
-    meta["checksums"] = {}
-    for fname in FILES:
-        writers[fname](tmp / fname)
+    for fname, write in writers.items():
+        write(tmp / fname)
         _fsync(tmp / fname)
-        if fname != "meta.json":  # meta.json is written last and holds the others' checksums
-            meta["checksums"][fname] = file_checksum(tmp / fname)
         if delay:
             time.sleep(delay)
+    integrity.write_manifest(tmp, list(writers))  # last: it covers every file above
     _fsync(tmp)
     os.rename(tmp, out_dir / name)
     _fsync(out_dir)
@@ -210,8 +199,12 @@ def read_meta(path) -> dict:
         export = (ckpt / "config.json").exists() and not (ckpt / "meta.json").exists()  # weights, config and tokenizer only
         name, needed = ("config.json", EXPORT_FILES) if export else ("meta.json", FILES)
         missing = [f for f in needed if not (ckpt / f).exists()]
+        if missing == [MANIFEST]:
+            _refuse_without_manifest(ckpt)
         if missing:
             raise CheckpointError(f"checkpoint {ckpt} is incomplete: missing {', '.join(missing)}")
+        if not export:
+            verify(ckpt, None, ["meta.json"])  # before a byte of it is used
         meta = json.loads((ckpt / name).read_text())
     except OSError as e:
         raise CheckpointError(os_error_line(e, 'cannot read checkpoint file')) from None
@@ -233,6 +226,20 @@ def read_meta(path) -> dict:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} has no model_config")
     meta["path"] = str(ckpt)
     return meta
+
+
+def _refuse_without_manifest(ckpt: Path):
+    """A checkpoint saved before manifests (format_version 1): its meta.json cannot be verified, so it is not used."""
+    try:
+        version = json.loads((ckpt / "meta.json").read_text()).get("format_version")
+    except (OSError, ValueError, AttributeError):
+        version = None
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {ckpt} has format_version {version}, newer than this code's {FORMAT_VERSION}; "
+                              f"update minimal-asymloop to load it")
+    raise CheckpointError(f"checkpoint {ckpt} has no {MANIFEST}: it was saved before meta.json was checksummed (format_version 1), "
+                          f"so its meta.json cannot be verified; if you trust it, add one with "
+                          f"`python -m minimal_asymloop.integrity {ckpt}`")
 
 
 def model_config_from_meta(meta: dict) -> ModelConfig:
@@ -333,11 +340,13 @@ def newest_intact(out_dir, say=print) -> tuple[dict, dict]:
     candidates = first + [p for p in others if p not in first]
     if not candidates:
         find_checkpoint(out_dir)  # the usual "no checkpoint at ..." line
+        raise CheckpointError(f"no checkpoint to resume in {out_dir}: it holds checkpoint files but no 'latest' link and no "
+                              f"ckpt_* folder of a run; start without --resume, or point --out-dir at a run's folder")
     faults = []
     for folder in candidates:
         try:
             meta = read_meta(folder)
-            verify(folder, meta, ["model.safetensors", "tokenizer.json"])
+            verify(folder, meta, ["model.safetensors", "tokenizer.json", *([METRICS] if (folder / METRICS).exists() else [])])
             state = load_state(folder, meta)
             read_weights(folder)
         except UnsafeCheckpointError:
@@ -409,13 +418,14 @@ def download(repo: str) -> Path:
                               f"Hub reachable, or pass a local folder (an export or a run's out_dir)") from None
 
 
-def check_resume(meta: dict, model_cfg: ModelConfig, cfg, data_meta: dict):
-    """Refuse a resume whose model, training settings (but those RESUME_MAY_CHANGE) or data differ from the checkpoint's."""
+def check_resume(meta: dict, model_cfg: ModelConfig, cfg, data_meta: dict | None = None):
+    """Refuse a resume whose model, training settings (but those RESUME_MAY_CHANGE) or data differ from the checkpoint's
+    (data_meta None: before the data is prepared, the settings only)."""
     diffs = [f"{k}: {v!r} -> {model_cfg.to_dict().get(k)!r}" for k, v in meta["model_config"].items() if model_cfg.to_dict().get(k) != v]
     now = asdict(cfg)
     diffs += [f"{k}: {v!r} -> {now.get(k)!r}" for k, v in meta["train_config"].items()
               if k not in RESUME_MAY_CHANGE and now.get(k) != v]
-    if meta.get("data", {}).get("identity") != data_meta["identity"]:
+    if data_meta is not None and meta.get("data", {}).get("identity") != data_meta["identity"]:
         diffs.append(f"data: {meta.get('data', {}).get('identity')} -> {data_meta['identity']}")
     if diffs:
         raise ConfigError(f"cannot resume from {meta['path']}: the config differs from the checkpoint's ({'; '.join(diffs)}); "

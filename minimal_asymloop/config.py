@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 from minimal_asymloop import alrs
 from minimal_asymloop.sources import TOKENIZERS
-from minimal_asymloop.system import DTYPES, ConfigError, check_device_name
+from minimal_asymloop.system import DTYPES, ConfigError, check_device_name, cpu_cores
 
 
 @dataclass
@@ -82,6 +82,16 @@ class TrainConfig:
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
         check_optimizer_values(self)
+        check_seed(self.seed)
+        for name in ("out_dir", "data_cache"):  # "" would write into the current folder
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ConfigError(f"{name} must name a folder, got {getattr(self, name)!r}; e.g. --{name.replace('_', '-')} "
+                                  f"{TrainConfig.__dataclass_fields__[name].default}")
+        if self.data_workers is not None and self.data_workers > (cores := cpu_cores()):
+            raise ConfigError(f"data_workers={self.data_workers} exceeds this machine's {cores} CPU cores (each is a tokenizer "
+                              f"process); pass --data-workers {cores} or less, or leave it unset")
+        for name in ("alrs_lo", "alrs_hi"):
+            check_range(name, getattr(self, name), "(0, 100]", "1 and 5", " (ours: a larger LR multiplier only diverges)")
         if self.val_fraction is not None:
             check_range("val_fraction", self.val_fraction, "(0, 1)", "0.05", ", a share of the documents")
         if self.dtype not in DTYPES:
@@ -166,6 +176,12 @@ def check_optimizer_values(cfg, error=ConfigError):
     check_range("grad_clip", cfg.grad_clip, "(0, inf]", "1.0", " (inf: no clipping)", error=error)
     check_range("warmup_frac", cfg.warmup_frac, "[0, 1]", "0.1", ", a share of the steps", error=error)
     check_range("min_lr_ratio", cfg.min_lr_ratio, "[0, 1]", "0.1", ", a share of the peak LR", error=error)
+
+
+def check_seed(seed, error=ConfigError):
+    """A seed numpy's and torch's generators both take: an integer in [0, 2**63 - 1]."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise error(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}; e.g. --seed 1337")
 
 
 def alrs_hook(cfg: TrainConfig) -> alrs.ALRS:

@@ -18,6 +18,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -31,7 +32,8 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from minimal_asymloop import sources
+from minimal_asymloop import integrity, sources
+from minimal_asymloop.runfolder import naming
 from minimal_asymloop.sources import (
     SMOLLM_TOKENIZER,
     T5_REPO,
@@ -48,6 +50,7 @@ from minimal_asymloop.sources import (
     source_identity,
     train_bpe,
 )
+from minimal_asymloop.system import cpu_cores
 
 DATA_FORMAT = 1  # bump when the on-disk layout changes; part of the cache key
 SHARD_TOKENS = 100_000_000  # llm.c-sized shards (ours); a shard is also the unit that an interrupted preparation resumes at
@@ -124,6 +127,10 @@ def prepare(source: str = "stdlib", tokenizer: str = "bpe", bpe_vocab: int = 819
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise DataError(f"data workers must be a positive integer or None (one per CPU core but one), got {workers!r}")
+    if workers is not None and workers > cpu_cores():  # the tokens never depend on it; more processes than cores only cost memory
+        if not quiet:
+            print(f"note: {workers} data workers capped at this machine's {cpu_cores()} CPU cores", file=sys.stderr)
+        workers = cpu_cores()
     ident = source_identity(source, max_tokens)
     val_fraction = val_fraction if val_fraction is not None else default_val_fraction(ident)
     tok_ident = {"t5": dict(name="t5", repo=T5_REPO), "smollm": dict(name="smollm", repo=SMOLLM_TOKENIZER)}.get(
@@ -139,24 +146,42 @@ def prepare(source: str = "stdlib", tokenizer: str = "bpe", bpe_vocab: int = 819
 def default_workers() -> int:
     """One tokenizer process per CPU core, leaving one core to stream documents and write shards, and at most 32:
     one process feeds them all (ours; not measured on a many-core host)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores - 1, 32))
+    return max(1, min(cpu_cores() - 1, 32))
 
 
 def load_prepared(folder) -> Prepared:
+    """The prepared data in `folder`, every file verified against its manifest.json and every token below the vocabulary."""
     folder = Path(folder)
     try:
         meta = json.loads((folder / "meta.json").read_text())
+        files = ["meta.json", "tokenizer.json", *meta["train_files"], *meta["val_files"]]
+        verify_prepared(folder, files)
         dtype = np.dtype(meta["dtype"])
         train = Tokens([folder / f for f in meta["train_files"]], dtype)
         val = Tokens([folder / f for f in meta["val_files"]], dtype)
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    except (OSError, KeyError, ValueError) as e:
-        raise DataError(f"prepared data at {folder} is incomplete or corrupt ({type(e).__name__}: {e}); "
+    except DataError as e:
+        raise DataError(f"{e}; delete {folder} to re-prepare it") from None
+    except Exception as e:  # OSError, a missing key, a bad value; tokenizers raises a bare Exception on bad JSON
+        raise DataError(f"prepared data at {folder} is incomplete or corrupt ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
                         f"delete that folder to re-prepare") from None
     if len(train) != meta["n_train_tokens"] or len(val) != meta["n_val_tokens"]:
         raise DataError(f"prepared data at {folder} has truncated shards; delete that folder to re-prepare")
+    top = max(int(s.max()) for s in train.shards + val.shards)
+    if top >= meta["vocab_size"]:
+        raise DataError(f"prepared data at {folder} holds token id {top}, outside its tokenizer's {meta['vocab_size']} tokens (damaged "
+                        f"shards); delete that folder to re-prepare")
     return Prepared(folder, meta, train, val, tok)
+
+
+def verify_prepared(folder: Path, files: list[str]):
+    """Check the files against folder/manifest.json. A folder prepared before manifests gets one now, said in one line:
+    from then on every open verifies it."""
+    if not (folder / integrity.MANIFEST).exists():
+        integrity.write_manifest(folder, files)
+        print(f"note: prepared data at {folder} had no {integrity.MANIFEST} (prepared before shards were checksummed); recorded "
+              f"the checksums of its {len(files)} files now, and later opens verify them", file=sys.stderr)
+    integrity.verify(folder, files, DataError, "prepared data")
 
 
 def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, quiet, workers):
@@ -189,7 +214,8 @@ def _build(folder: Path, source, ident, tok_ident, val_fraction, max_tokens, qui
 def _write_json(path: Path, obj):
     """Atomic: a crash leaves the old file or the new one, never half of one."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
+    with naming(tmp):
+        tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
 
 
@@ -243,6 +269,7 @@ _worker = {}  # a tokenizer process's tokenizer and settings, set once by _init_
 
 def _init_worker(tok_json: str, eot: int, dtype, val_fraction: float, parent: int):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process: the processes are the parallelism
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent alone stops, in one line
     _worker.update(tok=Tokenizer.from_str(tok_json), eot=eot, dtype=dtype, val_fraction=val_fraction)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
@@ -313,7 +340,9 @@ def _tokenize_into(work: Path, source, ident, tok_ident, val_fraction, max_token
                 val_files=progress["val_files"], n_train_tokens=progress["n_train_tokens"], n_val_tokens=progress["n_val_tokens"],
                 n_train_docs=n_docs["train"], n_val_docs=n_docs["val"], unigram_entropy=entropy_nats(counts),
                 prepare_seconds=round(progress["seconds"], 1), workers=workers)
-    (work / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
+    with naming(work / "meta.json"):
+        (work / "meta.json").write_text(json.dumps(meta, indent=1))
+    integrity.write_manifest(work, ["meta.json", "tokenizer.json", *meta["train_files"], *meta["val_files"]])
     say(f"  {meta['n_train_tokens'] / 1e6:.2f}M train / {meta['n_val_tokens'] / 1e6:.2f}M val tokens from "
         f"{n_docs['train']}+{n_docs['val']} documents in {meta['prepare_seconds']:.0f}s")
 
@@ -351,8 +380,8 @@ def write_shards(work: Path, source: str, ident: dict, tok: Tokenizer, val_fract
             if sum(map(len, arrays)):  # an empty file could not be memory-mapped
                 name = f"{split}_{progress['shards']:06d}.bin"
                 a = np.concatenate(arrays)
-                with open(work / name, "wb") as f:
-                    a.tofile(f)
+                with naming(work / name), open(work / name, "wb") as f:
+                    f.write(a.data)  # (not a.tofile: its short-write error has no errno and no path)
                     f.flush()
                     os.fsync(f.fileno())  # on disk before progress.json says it is
                 progress[f"{split}_files"].append(name)

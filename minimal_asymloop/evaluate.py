@@ -15,7 +15,6 @@ lm-eval is an optional extra: pip install -e ".[eval]".
 import argparse
 import importlib.metadata
 import json
-import math
 import os
 import re
 import tempfile
@@ -24,7 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minimal_asymloop.system import default_device
+from minimal_asymloop.metrics import perplexity
+from minimal_asymloop.runfolder import naming
+from minimal_asymloop.system import ConfigError, default_device, pick_device
 
 # The paper's seven zero/five-shot tasks in its Table 1's order: our name -> (column, lm-eval task name)
 PAPER_TASKS = {
@@ -98,12 +99,12 @@ def held_out_loss(model, tokens, seq_len: int, batch_size: int, n_batches: int |
     n_batches=None covers the whole split: evaluate_loss spreads its windows evenly, so with
     (len-1)//seq_len of them they tile it (ours).
     """
-    from minimal_asymloop.trainer import evaluate_loss
+    from minimal_asymloop.batches import evaluate_loss
 
     if n_batches is None:
         n_batches = max(1, (len(tokens) - 1) // seq_len // batch_size)
     ce = evaluate_loss(model, tokens, seq_len, batch_size, n_batches, device, dtype, micro_batch)
-    return dict(ce=ce, ppl=math.exp(ce), tokens=n_batches * batch_size * seq_len, seq_len=seq_len,
+    return dict(ce=ce, ppl=perplexity(ce), tokens=n_batches * batch_size * seq_len, seq_len=seq_len,
                 batch_size=batch_size, n_batches=n_batches)
 
 
@@ -178,9 +179,15 @@ def _batches(s: str):
 
 
 def kept_checkpoints(run_dir) -> list[Path]:
-    """The checkpoint folders of a run (ckpt_NNNNNNN, kept every N steps by --keep-every), by step."""
+    """The checkpoint folders of a run (ckpt_NNNNNNN, kept every N steps by --keep-every), by step; of a step saved twice
+    (ckpt_NNNNNNN.1, the re-save after a fallback past a corrupt one) the newest save."""
     run_dir = Path(run_dir)
-    found = sorted(p for p in run_dir.glob("ckpt_*") if re.fullmatch(r"ckpt_\d{7}", p.name) and (p / "meta.json").exists())
+    newest = {}
+    for p in run_dir.glob("ckpt_*"):
+        if (m := re.fullmatch(r"ckpt_(\d{7})(?:\.(\d+))?", p.name)) and (p / "meta.json").exists():
+            key = (int(m.group(1)), int(m.group(2) or 0))
+            newest[key[0]] = max(newest.get(key[0], (key, p)), (key, p))
+    found = [p for _, (_, p) in sorted(newest.items())]
     if not found:
         raise SystemExit(f"error: no checkpoint folders (ckpt_NNNNNNN) in {run_dir}; --all-checkpoints needs a run's out_dir "
                          f"trained with --keep-every N (or at least one checkpoint)")
@@ -236,7 +243,10 @@ def evaluate_checkpoint(ckpt: str, args, names, tasks, say=print) -> dict:
         raise SystemExit(f"error: {e}") from None
     report = dict(ckpt=meta["path"], step=meta.get("step"), arch=cfg.arch, n_iter=cfg.n_iter, trained_n_iter=meta["model_config"]["n_iter"],
                   data=args.data or meta["data"]["source"], dtype=args.dtype, hub_repo=meta.get("hub_repo"))
-    report["val"] = held_out_loss(model, tokens, tc["seq_len"], batch, n_batches, args.device, dtype, micro)
+    try:
+        report["val"] = held_out_loss(model, tokens, tc["seq_len"], batch, n_batches, args.device, dtype, micro)
+    except DataError as e:  # more windows than the split holds (--eval-batches 1000000)
+        raise SystemExit(f"error: {e}") from None
     v = report["val"]
     say(f"{cfg.arch} K={cfg.n_iter} step {report['step']} on {report['data']} (held out, {v['tokens']:,} tokens): "
         f"cross-entropy {v['ce']:.4f} nats/token, perplexity {v['ppl']:.2f}")
@@ -257,15 +267,21 @@ def evaluate_checkpoint(ckpt: str, args, names, tasks, say=print) -> dict:
 
 def over_training(args, names, tasks) -> dict:
     """--all-checkpoints: evaluate every kept checkpoint of a run (resuming a partly written JSON), plot against the step."""
+    from minimal_asymloop.checkpoint import CheckpointError, read_meta
+
     folders = kept_checkpoints(args.ckpt)
+    try:  # verified against each checkpoint's manifest: a damaged meta.json is one line, not a JSON traceback
+        metas = {f: read_meta(f) for f in folders}
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
     settings = {k: getattr(args, k) for k in ("data", "n_iter", "eval_batches", "tasks", "num_fewshot", "metric", "limit", "dtype")}
-    k = args.n_iter or json.loads((folders[-1] / "meta.json").read_text())["model_config"]["n_iter"]
+    k = args.n_iter or metas[folders[-1]]["model_config"]["n_iter"]
     out_path = Path(args.out) if args.out else Path(args.ckpt) / f"downstream_k{k}.json"
     old = json.loads(out_path.read_text()) if out_path.exists() else {}
     done = {r["step"]: r for r in old.get("checkpoints", [])} if old.get("settings") == settings else {}
     rows = []
     for i, folder in enumerate(folders):
-        step = json.loads((folder / "meta.json").read_text()).get("step")
+        step = metas[folder].get("step")
         if step in done:  # evaluated by an earlier, interrupted call with the same settings
             rows.append(done[step])
             continue
@@ -275,7 +291,8 @@ def over_training(args, names, tasks) -> dict:
     report = dict(run=str(Path(args.ckpt).resolve()), settings=settings, checkpoints=rows)
     write_json(out_path, report)
     fig = plot_over_training(rows, f"{rows[-1]['arch']} K={rows[-1]['n_iter']}: {Path(args.ckpt).resolve().name}")
-    fig.savefig(out_path.with_suffix(".png"), dpi=120)
+    with naming(out_path.with_suffix(".png")):
+        fig.savefig(out_path.with_suffix(".png"), dpi=120)
     print(f"wrote {out_path} and {out_path.with_suffix('.png')} ({len(rows)} checkpoints)")
     report["plot"] = str(out_path.with_suffix(".png"))
     return report
@@ -313,6 +330,10 @@ def _main(argv=None):
     args = p.parse_args(argv)
     if args.num_fewshot < 0:
         p.error(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+    try:
+        pick_device(args.device)  # --device tpu, or cuda without a GPU: one line before anything loads
+    except ConfigError as e:
+        p.error(str(e))
 
     names = tasks = None
     if args.tasks:  # check lm-eval and the task data first: a missing extra or an offline Hub fails in seconds

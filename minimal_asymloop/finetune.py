@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minimal_asymloop import checkpoint as ckpt
-from minimal_asymloop.config import TrainConfig, check_optimizer_values
+from minimal_asymloop.config import TrainConfig, check_optimizer_values, check_seed
 from minimal_asymloop.gsm8k import FILTERS, final_answer, score
 from minimal_asymloop.metrics import log_metrics
 from minimal_asymloop.optim import lr_at, param_groups
 from minimal_asymloop.runfolder import RunFolderError, hold, os_error_line
 from minimal_asymloop.sources import DataError, eot_id
-from minimal_asymloop.system import autocast_context, resolve_device
+from minimal_asymloop.system import DTYPES, ConfigError, autocast_context, check_device_name, resolve_device
 
 GSM8K, GSM8K_CONFIG = "openai/gsm8k", "main"
 PROMPT = "Question: {question}\nAnswer:"  # (ours) the paper uses no demonstrations and states no template
@@ -83,6 +83,13 @@ class FinetuneConfig:
         if self.n_dev < 0:
             raise FinetuneError(f"n_dev must be >= 0, got {self.n_dev}")
         check_optimizer_values(self, FinetuneError)
+        check_seed(self.seed, FinetuneError)
+        try:
+            check_device_name(self.device)
+        except ConfigError as e:
+            raise FinetuneError(str(e)) from None
+        if self.dtype not in DTYPES:
+            raise FinetuneError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.global_batch % (self.micro_batch or self.global_batch):
             raise FinetuneError(f"micro_batch={self.micro_batch} must divide global_batch={self.global_batch}")
 
@@ -92,12 +99,20 @@ class FinetuneConfig:
 
 def read_jsonl(path: Path) -> list[dict]:
     rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise FinetuneError(f"{path} (byte {e.object[e.start]:#x} at offset {e.start}) is not UTF-8 text; convert it (e.g. "
+                            f"iconv -f latin1 -t utf-8)") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise FinetuneError(f"{path}:{i} is not valid JSON ({e.msg}); each line must be one JSON object") from None
+            if not isinstance(rows[-1], dict):
+                raise FinetuneError(f"{path}:{i} is {json.dumps(rows[-1])[:40]}, not a JSON object; each line must be one "
+                                    f'{{"question", "answer"}} object')
     return rows
 
 
@@ -381,6 +396,9 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     except OSError as e:  # --out-dir unwritable, a full disk, a file in the path
         sys.exit(f"error: {os_error_line(e, 'cannot write')}")
+    except KeyboardInterrupt:  # Ctrl-C: fine-tuning saves at its end only, so nothing of this run was saved
+        print(f"error: interrupted by Ctrl-C; nothing of this fine-tuning run was saved to {args['out_dir']}", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,13 @@ and the size and matched-baseline tables that `python -m minimal_asymloop.flops`
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
 
 from minimal_asymloop.model import ARCHS, WIDE_FULL_LOOP_D_FF, LoopedLM, ModelConfig
+from minimal_asymloop.system import ConfigError
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -95,5 +97,28 @@ def main():
     print(f"\nMatched baselines (the paper's Table 4a and Appendix E; training FLOPs = 3 x forward):\n\n{ablations_table()}")
 
 
+def training_bytes_at_least(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, bytes) a lower bound on what training `cfg` holds, from the config alone (building even a meta model
+    of a million layers takes hours): fp32 weights, gradients and AdamW's two moments (16 bytes a parameter) and the
+    RoPE tables. Attention, FFNs and one of embedding/head only; activations not counted."""
+    d, ffn = cfg.d_model, (cfg.moe_experts * cfg.moe_d_ff if cfg.moe_experts else cfg.d_ff)
+    params = cfg.n_layer * (4 * d * d + 3 * d * ffn) + cfg.vocab_size * d
+    return params, 16 * params + 2 * 4 * cfg.max_seq_len * cfg.head_dim
+
+
+def check_fits(cfg: ModelConfig, device: torch.device):
+    """Refuse, before any data is prepared, a model whose training state alone exceeds the device's memory."""
+    params, need = training_bytes_at_least(cfg)
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device)
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"this machine's {device.type} memory"
+    if need > have:
+        raise ConfigError(f"this model needs at least {need / 1e9:,.1f} GB to train ({params / 1e9:,.2f}B parameters x 16 bytes for "
+                          f"weights, gradients and AdamW state, and the RoPE tables of max_seq_len={cfg.max_seq_len:,}), but "
+                          f"{where} has {have / 1e9:,.1f} GB; lower --n-layer, --d-model, --d-ff, --vocab-size or --max-seq-len")
+
+
 if __name__ == "__main__":
     main()
+

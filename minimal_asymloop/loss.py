@@ -1,4 +1,5 @@
-"""The loss: a linear + cross-entropy that never holds all the logits, the training loss and the validation loss.
+"""The loss: a linear + cross-entropy that never holds all the logits, and the training loss (the validation loss over
+the fixed evaluation windows is batches.evaluate_loss: this file imports only torch, so the model file does too).
 
 `linear_cross_entropy(h, weight, targets)` equals `F.cross_entropy((h @ weight.T).float(), targets, ignore_index=-1)`
 but computes the logits a chunk of tokens at a time. At the 60m shape (32 x 1024 tokens, 32,128-token vocabulary) the
@@ -6,15 +7,7 @@ plain form holds a 4 GiB fp32 copy of the logits and a 4 GiB log-softmax for bac
 and the two gradients. Memory and time: `python -m minimal_asymloop.bench loss`.
 """
 
-import math
-
-import numpy as np
 import torch
-import torch.distributed as dist
-
-from minimal_asymloop.batches import eval_windows
-from minimal_asymloop.data import Tokens
-from minimal_asymloop.system import autocast_context, rank_and_world
 
 IGNORE = -1  # target id that counts for nothing (prompts in fine-tuning and tasks)
 CHUNK_ELEMENTS = 2**27  # (ours) logits per chunk: 512 MiB in fp32, e.g. 4,177 tokens x 32,128
@@ -82,7 +75,7 @@ def plain_cross_entropy(h, weight, targets):
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE)
 
 
-# ----------------------------------------------------------------------------- training and validation loss
+# ----------------------------------------------------------------------------- the training loss
 
 
 def _unwrap(model):
@@ -100,30 +93,3 @@ def compute_loss(model, x, y):
     raw = _unwrap(model)
     aux = raw.moe_aux_losses() if raw.training else {}
     return loss, (loss - sum(aux.values()) if aux else loss), aux
-
-
-@torch.no_grad()
-def evaluate_loss(model, tokens: Tokens, seq_len: int, batch_size: int, n_batches: int, device="cpu",
-                  dtype: torch.dtype = torch.float32, micro_batch: int | None = None) -> float:
-    """Mean cross-entropy (nats/token) over n_batches x batch_size fixed windows spread evenly over `tokens`.
-
-    The windows depend only on (tokens, seq_len, batch_size, n_batches); they are run in chunks of
-    micro_batch, and under DDP each rank takes every world_size-th chunk and the sums are all-reduced.
-    """
-    rank, world = rank_and_world()
-    starts = eval_windows(tokens, seq_len, n_batches * batch_size)
-    chunk = micro_batch or batch_size
-    acc = torch.float32 if torch.device(device).type == "mps" else torch.float64  # MPS has no float64
-    totals = torch.zeros(2, device=device, dtype=acc)  # (sum of per-window losses, windows)
-    was_training = model.training
-    model.eval()
-    for c in range(rank, math.ceil(len(starts) / chunk), world):
-        w = np.stack([tokens.window(int(s), seq_len + 1) for s in starts[c * chunk:(c + 1) * chunk]])
-        w = torch.from_numpy(w).to(device)  # (B, T+1)
-        with autocast_context(device, dtype):
-            _, ce, _ = compute_loss(model, w[:, :-1], w[:, 1:])
-        totals += torch.stack([ce.to(acc) * len(w), torch.tensor(float(len(w)), device=device, dtype=acc)])
-    model.train(was_training)
-    if world > 1:
-        dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item()

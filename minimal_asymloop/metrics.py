@@ -17,6 +17,11 @@ from minimal_asymloop.runfolder import RunFolderError, after_write_failure, why_
 from minimal_asymloop.system import rank_and_world
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), inf past float range (a diverged run's loss above ~709 nats would overflow math.exp)."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
 def log_metrics(out_dir, row: dict, wandb_run=None):
     """Append one JSON object to out_dir/metrics.jsonl (rank 0 only), and the same row to wandb_run if given.
     Every logged figure goes through here."""
@@ -69,13 +74,17 @@ def read_metrics(out_dir, on_partial=None) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
+            rows.append(row)
         except json.JSONDecodeError:
             if i == len(lines) - 1:  # no newline after it: the last write did not finish
                 if on_partial is not None:
                     on_partial(line)
                 break
             raise RunFolderError(f"{path} line {i + 1} is not JSON ({line[:60]!r}); remove that line to use the file") from None
+        if not isinstance(row, dict) or type(row.get("step", 0)) is not int:
+            raise RunFolderError(f"{path} line {i + 1} is not a metrics row, a JSON object with an integer step ({line[:60]!r}); "
+                                 f"remove that line to use the file")
     return rows
 
 
@@ -94,6 +103,49 @@ def trim_metrics(out_dir, last_step: int, say=print):
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise _append_failure(Path(out_dir) / "metrics.jsonl", e) from None
+
+
+def restore_metrics(out_dir, copy: Path, last_step: int, say=print):
+    """On resume: make out_dir/metrics.jsonl the checkpoint's own copy of it (verified by its manifest), which holds every
+    row up to the checkpoint. A file that was deleted, emptied (a fresh start that never reached a checkpoint), edited or
+    damaged is restored from the copy, said in one line; rows logged after the checkpoint are dropped (they will be
+    recomputed). A checkpoint without a copy (fine-tuning's older saves): trim_metrics."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if not copy.exists():
+        return trim_metrics(out_dir, last_step, say)
+    saved = copy.read_bytes()
+    try:
+        now = path.read_bytes()
+    except FileNotFoundError:
+        now = None
+    if now is not None and now.startswith(saved):
+        rest = now[len(saved):]
+        if rest and not rest.endswith(b"\n"):
+            partial = rest.rsplit(b"\n", 1)[-1]
+            say(f"note: {path} ended in a partial line ({len(partial.decode(errors='replace'))} characters, from a write that did not "
+                f"finish); dropped it")
+    else:
+        why = ("is missing" if now is None else "is empty" if not now.strip() else
+               "differs from the checkpoint's copy (edited, damaged, or restarted by a fresh run that never reached a checkpoint)")
+        n = saved.count(b"\n")
+        say(f"note: {path} {why}; restored its {n} rows up to step {last_step} from the checkpoint's copy")
+    tmp = path.with_name("metrics.jsonl.tmp")
+    try:
+        tmp.write_bytes(saved)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _append_failure(path, e) from None
+
+
+def save_figure(fig, path: Path):
+    """fig as a PNG at path; a failed write is one line with the path (the figures come after the run's last checkpoint)."""
+    try:
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    except OSError as e:
+        why, fix = why_and_fix(e)
+        raise RunFolderError(f"could not write {path}: {why}; the run itself is complete (its checkpoints and metrics.jsonl are "
+                             f"intact); {fix}") from None
 
 
 def plot_metrics(out_dir, unigram_entropy: float | None = None) -> Path:
@@ -115,7 +167,7 @@ def plot_metrics(out_dir, unigram_entropy: float | None = None) -> Path:
     ax.legend()
     ax.grid(alpha=0.3)
     path = Path(out_dir) / "loss.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    save_figure(fig, path)
     return path
 
 
@@ -138,7 +190,7 @@ def plot_stable_rank(out_dir) -> Path | None:
     ax.legend()
     ax.grid(alpha=0.3)
     path = Path(out_dir) / "srank.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    save_figure(fig, path)
     return path
 
 
@@ -189,16 +241,26 @@ def overflow_skip(run, step: int, scale: float):
             f"({run.overflow_skipped} overflow steps so far)")
 
 
+def last_good_checkpoint(run) -> str:
+    """Which checkpoint a stopped run leaves: `latest`, unless this run has written none yet (a fresh start's `latest`, if
+    any, is an older run's)."""
+    if (run.saves or run.cfg.resume) and (run.out_dir / "latest").exists():
+        return f"The last good checkpoint is {run.out_dir / 'latest'}"
+    return "No checkpoint of this run was written yet, so there is nothing to resume"
+
+
 def skip_or_stop(run, step: int, loss_val: float, gn: float):
     """A non-finite loss or gradient: stop (the default), or skip the update (--skip-nonfinite, up to max_skips in a row)."""
     what = "loss" if not math.isfinite(loss_val) else "gradient norm"
-    latest = run.out_dir / "latest"
+    latest = last_good_checkpoint(run)
     if not run.cfg.skip_nonfinite:
+        fix = ("a first step that diverges is a setting: check --lr, --init-std, --norm-eps and --rope-theta"
+               if step == 0 else "try a lower --lr or --dtype float32, or --skip-nonfinite")
         raise NonFiniteLossError(f"non-finite {what} at step {step + 1} (loss {loss_val}, grad norm {gn}); stopped before applying it. "
-                                 f"The last good checkpoint is {latest}; try a lower --lr or --dtype float32, or --skip-nonfinite")
+                                 f"{latest}; {fix}")
     run.skipped, run.skipped_in_row = run.skipped + 1, run.skipped_in_row + 1
     if run.skipped_in_row > run.cfg.max_skips:
         raise NonFiniteLossError(f"non-finite {what} at {run.skipped_in_row} steps in a row, up to step {step + 1}: the run has diverged, "
-                                 f"skipping will not recover it (--max-skips {run.cfg.max_skips}). The last good checkpoint is "
+                                 f"skipping will not recover it (--max-skips {run.cfg.max_skips}). "
                                  f"{latest}; try a lower --lr or --dtype float32")
     run.say(f"step {step + 1}: non-finite loss {loss_val} / grad norm {gn}; step skipped ({run.skipped} skipped so far)")

@@ -94,6 +94,11 @@ class ModelConfig:
         for name in ("n_layer", "d_model", "n_head", "d_ff", "vocab_size", "max_seq_len"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name, zero_ok in (("rope_theta", False), ("norm_eps", False), ("init_std", False), ("moe_balance_weight", True),
+                              ("moe_z_weight", True)):  # nan, inf and negatives would surface as a non-finite loss at step 1
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v if zero_ok else 0 < v) or not math.isfinite(v):
+                bad(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {v!r}; e.g. {getattr(type(self), name)}")
         if not isinstance(self.n_iter, int) or self.n_iter < 1:
             bad(f"n_iter (K) must be an integer >= 1, got {self.n_iter!r}")
         if self.d_model % self.n_head:
@@ -109,9 +114,6 @@ class ModelConfig:
                 self.moe_d_ff = max(1, self.d_ff // self.moe_top_k)
             if not isinstance(self.moe_d_ff, int) or self.moe_d_ff < 1:
                 bad(f"moe_d_ff must be a positive integer, got {self.moe_d_ff!r}")
-            if self.moe_balance_weight < 0 or self.moe_z_weight < 0:
-                bad(f"MoE aux loss weights must be >= 0, got moe_balance_weight={self.moe_balance_weight}, "
-                    f"moe_z_weight={self.moe_z_weight}")
         elif self.moe_d_ff is not None:
             bad(f"moe_d_ff={self.moe_d_ff} applies only with moe_experts > 0; set moe_experts (e.g. 8) or leave moe_d_ff unset")
         if self.dec_d_ff is not None:
@@ -540,10 +542,11 @@ class LoopedLM(nn.Module):
         return self.head(self.norm(z))  # (B, N, V)
 
     def forward(self, idx, targets=None, n_iter: int | None = None, return_logits: bool = True):
-        """(logits, loss). The loss (with targets; -1 ignored) comes from the final norm's output through
-        `linear_cross_entropy`, which never holds all the fp32 logits; return_logits=False (training and
-        validation) skips the logits too, and returns (None, loss). With MoE, loss adds the routers' aux
-        losses in training mode only, so in eval mode it is the plain cross-entropy (validation excludes them)."""
+        """(logits, loss). The loss (with targets; -1 ignored) is the cross-entropy of the logits when they are
+        returned (one output head), else, with return_logits=False (training and validation), it comes from the
+        final norm's output through `linear_cross_entropy`, which never holds all the fp32 logits, and (None, loss)
+        is returned. With MoE, loss adds the routers' aux losses in training mode only, so in eval mode it is the
+        plain cross-entropy (validation excludes them)."""
         moe = self.moe_layers()
         for m in moe.values():
             m.reset_stats()
@@ -551,7 +554,10 @@ class LoopedLM(nn.Module):
         logits = self.head(h) if return_logits or targets is None else None  # (B, N, V)
         loss = None
         if targets is not None:
-            loss = linear_cross_entropy(h, self.head.weight, targets)
+            if logits is not None:  # the logits exist already: no second pass through the head
+                loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
+            else:
+                loss = linear_cross_entropy(h, self.head.weight, targets)
             if moe and self.training:
                 loss = loss + sum(self.moe_aux_losses().values())
         return logits, loss

@@ -58,6 +58,18 @@ def os_error_line(e: OSError, what: str = "cannot use") -> str:
     return f"{what} {path}: {why}; {fix}"
 
 
+@contextmanager
+def naming(path):
+    """Give an OSError raised inside the block the path it happened on, when it has none (a write that hits a full
+    disk reports ENOSPC without a file name), so that os_error_line can say where."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+
+
 def after_write_failure(out_dir: Path, fix: str) -> str:
     """What a failed write leaves and what to do, the same words for a checkpoint and for metrics.jsonl."""
     latest = out_dir / "latest"
@@ -114,6 +126,17 @@ def hold(out_dir, kind: str, enabled: bool = True):
 
 
 def _holder(fd: int) -> str:
+    """The pid holding the flock on fd's file: from the kernel's lock table (Linux), since the pid written in the file can
+    be a stale one's when another process holds the lock; else the one the file names."""
+    try:
+        st = os.fstat(fd)
+        with open("/proc/locks") as f:  # "1: FLOCK  ADVISORY  WRITE 4242 00:2e:1234 0 EOF"; waiters have "->"
+            for parts in (line.split() for line in f):
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5].split(":") == [
+                        f"{os.major(st.st_dev):02x}", f"{os.minor(st.st_dev):02x}", str(st.st_ino)]:
+                    return parts[4]
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return str(json.loads(os.pread(fd, 4096, 0).decode()).get("pid", "unknown"))
     except (OSError, ValueError, AttributeError):

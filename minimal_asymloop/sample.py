@@ -77,8 +77,8 @@ def main(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.n_iter is not None and args.n_iter < 1:
         p.error(f"--n-iter must be >= 1, got {args.n_iter}")
-    if args.temperature < 0:
-        p.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):  # nan fails every comparison
+        p.error(f"--temperature must be >= 0 (0 = greedy) and finite, got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         p.error(f"--top-k must be >= 1, got {args.top_k}")
     try:

@@ -15,6 +15,7 @@ data.py turns a source and a tokenizer into the memory-mapped token shards that 
 
 import glob
 import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -190,6 +191,9 @@ def document_stream(source: str, ident: dict, position: dict | None = None):
             for i, row in enumerate(ds, start=start):
                 if "text" not in row:
                     raise DataError(f"{source!r} has no 'text' column (columns: {sorted(row)}); the data needs a 'text' field per document")
+                if not isinstance(row["text"], str):
+                    raise DataError(f"{source!r} document {i + 1} has a 'text' of {json.dumps(row['text'])[:40]}, not a string; every "
+                                    f"document's 'text' must be a string: fix or remove that row")
                 at[0] = i + 1
                 yield str(row.get("id", i)), row["text"]
         except UnicodeDecodeError:  # non-UTF-8 text is refused, never guessed at or replaced (ours)

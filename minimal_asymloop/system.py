@@ -247,6 +247,11 @@ def stop_on_signals(flag: dict):
             signal.signal(s, h)
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def check_out_dir(out_dir: Path):
     """Fail now, not at the first checkpoint hours later, if out_dir cannot be created or written."""
     probe = out_dir / f".write-test-{os.getpid()}"

@@ -22,17 +22,19 @@ from tqdm import tqdm
 
 from minimal_asymloop import alrs
 from minimal_asymloop import checkpoint as ckpt
-from minimal_asymloop.batches import BatchSampler, data_for_run
+from minimal_asymloop.batches import BatchSampler, check_eval_windows, data_for_run, evaluate_loss  # noqa: F401 (re-exported)
 from minimal_asymloop.config import RESUME_MAY_CHANGE, TRAIN_PRESETS, TrainConfig  # noqa: F401 (TRAIN_PRESETS re-exported)
-from minimal_asymloop.flops import count_params, flops_per_token
-from minimal_asymloop.loss import compute_loss, evaluate_loss  # noqa: F401 (re-exported)
+from minimal_asymloop.flops import check_fits, count_params, flops_per_token
+from minimal_asymloop.loss import compute_loss
 from minimal_asymloop.metrics import (  # noqa: F401 (re-exported)
     NonFiniteLossError,
     log_metrics,
     log_steps,
+    perplexity,
     plot_metrics,
     plot_stable_rank,
     read_metrics,
+    restore_metrics,
     trim_metrics,
 )
 from minimal_asymloop.model import LoopedLM, ModelConfig
@@ -151,6 +153,7 @@ class Run:
     stat_names: list = field(default_factory=list)  # the names of a pending step's stats[3:]: MoE's aux losses, load entropies
     t_log: float = 0.0  # when the first pending step started
     compiled: bool = False  # the step runs torch.compile'd (compile_and_wrap decides)
+    saves: int = 0  # checkpoints this process wrote
 
     @property
     def master(self) -> bool:
@@ -169,10 +172,16 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}; set --max-seq-len {cfg.seq_len}")
 
+    check_fits(model_cfg, device)  # --n-layer 1000000: refused with its size now, not an allocator error after data preparation
+    found = None
+    if cfg.resume:  # the checkpoint, and a changed model or data option refused, before any data is prepared
+        found = ckpt.newest_intact(cfg.out_dir, tqdm.write if rank == 0 and not cfg.quiet else (lambda *a, **k: None))
+        ckpt.check_resume(found[0], model_cfg, cfg)
     data = data_for_run(model_cfg, cfg, local_rank, quiet=cfg.quiet or rank != 0)
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the {cfg.tokenizer} tokenizer has {data.vocab_size} tokens but the model's vocab_size is "
                           f"{model_cfg.vocab_size}; set --vocab-size {data.vocab_size} or more (the paper pads T5's 32100 to 32128)")
+    check_eval_windows(data.val, cfg.seq_len, cfg.eval_batches * cfg.global_batch)  # before the first step, not at the first eval
     if world > 1:
         init_process_group(device, cfg.ddp_timeout_s)
     if device.type == "cuda":
@@ -192,7 +201,7 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
     if run.master:
         check_out_dir(run.out_dir)
     if cfg.resume:
-        resume(run)
+        resume(run, *found)
     elif run.master:
         if (run.out_dir / "latest").exists():
             run.say(f"note: starting fresh in {run.out_dir}; its old checkpoints will be replaced (use --resume to continue them)")
@@ -212,11 +221,10 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
     return run
 
 
-def resume(run: Run):
-    """Load weights, optimizer, LR-hook state, RNG and counters from out_dir/latest (or, when it is corrupt, the newest intact
-    checkpoint); drop metrics logged after it."""
-    meta, state = ckpt.newest_intact(run.out_dir, run.say)  # every file verified; past a corrupt `latest`, said in one line
-    ckpt.check_resume(meta, run.model_cfg, run.cfg, run.data.meta)
+def resume(run: Run, meta: dict, state: dict):
+    """Load weights, optimizer, LR-hook state, RNG and counters from the checkpoint newest_intact found (out_dir/latest or,
+    when it is corrupt, the newest intact one); restore the metrics up to it."""
+    ckpt.check_resume(meta, run.model_cfg, run.cfg, run.data.meta)  # the prepared data's identity too
     if run.cfg.stop_step is not None and run.cfg.stop_step <= state["step"]:
         raise ConfigError(f"--stop-step {run.cfg.stop_step} is not after the checkpoint's step {state['step']}: nothing to do; "
                           f"pass a --stop-step in {state['step'] + 1}..{run.cfg.total_steps()}, or drop it")
@@ -236,7 +244,7 @@ def resume(run: Run):
     run.overflow_skipped = state.get("overflow_skipped", 0)
     run.wandb_id = state.get("wandb_id")
     if run.master:
-        trim_metrics(run.out_dir, run.step, run.say)
+        restore_metrics(run.out_dir, Path(meta["path"]) / ckpt.METRICS, run.step, run.say)  # the checkpoint's copy
     run.say(f"resumed from {meta['path']} at step {run.step}")
 
 
@@ -365,11 +373,11 @@ def evaluate_and_checkpoint(run: Run, stop: bool):
                                      run.micro)  # eager, unwrapped
         improved = run.val_loss < run.best_val
         run.best_val = min(run.best_val, run.val_loss)
-        row = dict(step=done, tokens=done * cfg.global_batch * cfg.seq_len, val_loss=run.val_loss, val_ppl=math.exp(run.val_loss))
+        row = dict(step=done, tokens=done * cfg.global_batch * cfg.seq_len, val_loss=run.val_loss, val_ppl=perplexity(run.val_loss))
         if run.master:  # the normalized stable rank of the paper's Figure 4: one SVD per matrix, so rank 0 only
             row.update(alrs.stable_rank_summary(run.raw))
         log_metrics(run.out_dir, row, run.wandb)
-        run.say(f"step {done}: val loss {run.val_loss:.4f} (ppl {math.exp(run.val_loss):.1f}), unigram entropy "
+        run.say(f"step {done}: val loss {run.val_loss:.4f} (ppl {perplexity(run.val_loss):.1f}), unigram entropy "
                 f"{run.data.unigram_entropy:.3f}")
         save(run, run.val_loss, improved)
     elif stop or checkpoint_due(run, done):
@@ -389,6 +397,7 @@ def save(run: Run, val_loss: float | None, best: bool):
                           unigram_entropy=data.unigram_entropy),
                 step=run.step, val_loss=val_loss, best_val_loss=run.best_val)
     ckpt.save_checkpoint(run.out_dir, run.raw, state, meta, data.tokenizer, best=best, keep_every=cfg.keep_every)
+    run.saves += 1
 
 
 # ----------------------------------------------------------------------------- wrap-up
@@ -414,6 +423,6 @@ def wrap_up(run: Run, flag: dict, seconds: float) -> dict:
         run.say(f"fp16 loss scaling: {run.overflow_skipped} of {done} steps skipped for gradient overflow; loss scale now "
                 f"{run.scaler.get_scale():g}")
     if run.val_loss is not None and not result["interrupted"]:
-        run.say(f"final val loss {run.val_loss:.4f} nats/token (ppl {math.exp(run.val_loss):.1f}) vs unigram entropy "
+        run.say(f"final val loss {run.val_loss:.4f} nats/token (ppl {perplexity(run.val_loss):.1f}) vs unigram entropy "
                 f"{run.data.unigram_entropy:.3f} after {done} steps, {seconds:.0f}s; checkpoints and loss.png in {run.out_dir}")
     return result

@@ -52,11 +52,21 @@ def _write(path: Path, data: bytes) -> Path:
     return path.parent
 
 
-def _edit_meta(folder: Path, **changes) -> Path:
+def _edit_meta(folder: Path, recheck: bool = True, **changes) -> Path:
+    """Change meta.json's fields; recheck: and rewrite the manifest to match (a checkpoint another tool wrote), so that
+    the check of what it says is reached."""
     meta = json.loads((folder / "meta.json").read_text())
     meta.update(changes)
     (folder / "meta.json").write_text(json.dumps(meta))
-    return folder
+    return rechecksum(folder) if recheck else folder
+
+
+def _edit_text(file: Path, old: str, new: str) -> Path:
+    """Replace `old` by `new` once in a file, as a careless editor would: one character changes."""
+    text = file.read_text()
+    assert old in text
+    file.write_text(text.replace(old, new, 1))
+    return file.parent
 
 
 def _without(folder: Path, name: str) -> Path:
@@ -75,6 +85,11 @@ def _truncate(file: Path) -> Path:
     data = file.read_bytes()
     file.write_bytes(data[: len(data) // 2])
     return file.parent
+
+
+def _k_three_to_two(tiny_checkpoint, t: Path) -> Path:
+    """A copy of the checkpoint whose meta.json says K=2 instead of 3: one character, another model if it loaded."""
+    return _edit_text(_ckpt_copy(tiny_checkpoint, t / "k") / "meta.json", '"n_iter": 3', '"n_iter": 2')
 
 
 def _small_corpus(folder: Path) -> Path:
@@ -107,6 +122,17 @@ def _gsm8k(folder: Path) -> Path:
     for split in ("train", "test"):
         _write(folder / f"{split}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
     return folder
+
+
+def _with_no_data(option: str, value: str):
+    """argv builder: the test run with `option value` and a --data that does not exist (reaching the data is a failure)."""
+    return lambda d, t, r, c: _train_argv(d, t / "o", option, value, "--data", str(t / "nope.txt"))
+
+
+def _gsm8k_with(folder: Path, train: bytes) -> Path:
+    """A GSM8K folder whose train.jsonl holds `train`."""
+    _gsm8k(folder)
+    return _write(folder / "train.jsonl", train)
 
 
 def _ft_argv(t: Path, ckpt_dir, out, *extra) -> list[str]:
@@ -160,7 +186,7 @@ CASES = [
      "the config differs from the checkpoint's (arch: 'asymloop' -> 'full_loop'"),
     ("resume-corrupt-state", T, lambda d, t, r, c: _train_argv(d, _write(_copy_run(r, t / "r") / "latest" / "state.pt", b"junk")
                                                                .parent, "--resume"),
-     "is corrupt: state.pt does not match the checksum in meta.json"),
+     "is corrupt: state.pt does not match the checksum in manifest.json"),
     # values checked when the config is built, before any data is prepared, with the valid range and the way to go
     ("lr-negative", T, lambda d, t, r, c: _train_argv(d, t / "o", "--lr", "-0.01", "--data", str(t / "nope.txt")),
      "lr must be in (0, inf), got -0.01; raise it"),
@@ -176,17 +202,34 @@ CASES = [
      "--stop-step 1 is not after the checkpoint's step 2: nothing to do; pass a --stop-step in 3..2, or drop it"),
     ("resume-flipped-weights", T, lambda d, t, r, c: _train_argv(d, flip_tensor_bytes(_copy_run(r, t / "r") / "latest").parent,
                                                                  "--resume"),
-     "is corrupt: model.safetensors does not match the checksum in meta.json"),
+     "is corrupt: model.safetensors does not match the checksum in manifest.json"),
     ("train-into-a-finetune-folder", T, lambda d, t, r, c: _train_argv(d, _finetuned(t, c), "--resume"),
      "holds a fine-tuning run; pretraining there would overwrite its metrics.jsonl and checkpoints; pretrain into a new --out-dir"),
     ("ckpt-other-arch", S, lambda d, t, r, c: ["--ckpt", str(_edit_meta(_ckpt_copy(c, t / "k"), model_config=DENSE))],
      "does not match its model config"),
     ("ckpt-truncated", S, lambda d, t, r, c: ["--ckpt", str(_truncate(_ckpt_copy(c, t / "k") / "model.safetensors"))],
-     "is corrupt: model.safetensors does not match the checksum in meta.json"),
-    ("ckpt-truncated-no-checksums", S, lambda d, t, r, c: ["--ckpt", str(_edit_meta(_truncate(_ckpt_copy(c, t / "k") / "model.safetensors"),
-                                                                                    checksums={}))],
+     "is corrupt: model.safetensors does not match the checksum in manifest.json"),
+    ("ckpt-truncated-rechecksummed", S, lambda d, t, r, c: ["--ckpt", str(rechecksum(_truncate(_ckpt_copy(c, t / "k") /
+                                                                                               "model.safetensors")))],
      "is corrupt or truncated: model.safetensors cannot be read"),
-    ("ckpt-corrupt-meta", S, lambda d, t, r, c: ["--ckpt", str(_write(_ckpt_copy(c, t / "k") / "meta.json", b"{"))],
+    # meta.json is covered by the manifest: one changed character is caught before a field of it is used
+    ("ckpt-meta-one-char", S, lambda d, t, r, c: ["--ckpt", str(_k_three_to_two(c, t))],
+     "is corrupt: meta.json does not match the checksum in manifest.json"),
+    ("eval-meta-one-char", E, lambda d, t, r, c: ["--ckpt", str(_k_three_to_two(c, t)), "--device", "cpu"],
+     "is corrupt: meta.json does not match the checksum in manifest.json"),
+    ("hub-export-meta-one-char", H, lambda d, t, r, c: ["export", "--ckpt", str(_k_three_to_two(c, t)), "--to", str(t / "x")],
+     "is corrupt: meta.json does not match the checksum in manifest.json"),
+    ("finetune-meta-one-char", F, lambda d, t, r, c: _ft_argv(t, _k_three_to_two(c, t), t / "ft"),
+     "is corrupt: meta.json does not match the checksum in manifest.json"),
+    ("ckpt-manifest-damaged", S, lambda d, t, r, c: ["--ckpt", str(_write(_ckpt_copy(c, t / "k") / "manifest.json", b"{"))],
+     "is corrupt: manifest.json is not a valid manifest"),
+    ("ckpt-without-manifest", S, lambda d, t, r, c: ["--ckpt", str(_without(_ckpt_copy(c, t / "k"), "manifest.json"))],
+     "has no manifest.json: it was saved before meta.json was checksummed (format_version 1), so its meta.json cannot be "
+     "verified; if you trust it, add one with `python -m minimal_asymloop.integrity "),
+    ("resume-only-junk-weights", T, lambda d, t, r, c: _train_argv(d, _write(t / "j" / "model.safetensors", bytes(range(250)) * 4),
+                                                                   "--resume"),
+     "no checkpoint to resume in"),
+    ("ckpt-corrupt-meta", S, lambda d, t, r, c: ["--ckpt", str(rechecksum(_write(_ckpt_copy(c, t / "k") / "meta.json", b"{")))],
      "is corrupt: meta.json is not valid JSON"),
     ("ckpt-incomplete", S, lambda d, t, r, c: ["--ckpt", str(_without(_ckpt_copy(c, t / "k"), "state.pt"))],
      "is incomplete: missing state.pt"),
@@ -194,7 +237,7 @@ CASES = [
      f"has format_version {ckpt.FORMAT_VERSION + 1}, newer than this code's {ckpt.FORMAT_VERSION}; update minimal-asymloop to load it"),
     ("ckpt-missing", S, lambda d, t, r, c: ["--ckpt", str(t / "nothing")], "no checkpoint at"),
     ("ckpt-flipped-weights", S, lambda d, t, r, c: ["--ckpt", str(flip_tensor_bytes(_ckpt_copy(c, t / "k")))],
-     "is corrupt: model.safetensors does not match the checksum in meta.json"),
+     "is corrupt: model.safetensors does not match the checksum in manifest.json"),
     ("ckpt-nan-weights", S, lambda d, t, r, c: ["--ckpt", str(_nan_weights(_ckpt_copy(c, t / "k")))],
      "is corrupt: its weights hold inf/NaN values (first in "),
     ("ckpt-meta-wrong-type", S, lambda d, t, r, c: ["--ckpt", str(_edit_meta(_ckpt_copy(c, t / "k"), model_config="x"))],
@@ -202,13 +245,13 @@ CASES = [
     ("ckpt-meta-is-a-folder", S, lambda d, t, r, c: ["--ckpt", str(_dir_for(_ckpt_copy(c, t / "k"), "meta.json"))],
      "meta.json: it is a folder, not a file"),
     ("eval-flipped-weights", E, lambda d, t, r, c: ["--ckpt", str(flip_tensor_bytes(_ckpt_copy(c, t / "k"))), "--device", "cpu"],
-     "is corrupt: model.safetensors does not match the checksum in meta.json"),
+     "is corrupt: model.safetensors does not match the checksum in manifest.json"),
     ("eval-out-under-a-file", E, lambda d, t, r, c: ["--ckpt", str(c), "--device", "cpu", "--eval-batches", "1",
                                                      "--out", str(_write(t / "f", b"x") / "f" / "eval.json")],
      "f/.eval.json.tmp-"),
     ("hub-export-flipped-weights", H, lambda d, t, r, c: ["export", "--ckpt", str(flip_tensor_bytes(_ckpt_copy(c, t / "k"))),
                                                           "--to", str(t / "x")],
-     "is corrupt: model.safetensors does not match the checksum in meta.json"),
+     "is corrupt: model.safetensors does not match the checksum in manifest.json"),
     ("hub-export-under-a-file", H, lambda d, t, r, c: ["export", "--ckpt", str(c), "--to", str(_write(t / "f", b"x") / "f" / "x")],
      "f: it exists and is not a folder; choose another path or remove it"),
     ("finetune-into-a-pretraining-folder", F, lambda d, t, r, c: _ft_argv(t, c, _copy_run(r, t / "r")),
@@ -216,6 +259,57 @@ CASES = [
     ("finetune-seq-len>max", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--seq-len", "4096"),
      "seq_len=4096 exceeds the model's max_seq_len=64; pass --seq-len 64 or less"),
     ("finetune-lr-negative", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--lr", "-1"), "lr must be in (0, inf), got -1.0; raise it"),
+    # values out of range, answered before any data is prepared (--data points nowhere: reaching it would be another error)
+    *[(f"{opt}={v}", T, _with_no_data(f"--{opt}", v), want)
+      for opt, v, want in [
+          ("seed", "-1", "seed must be an integer in [0, 2**63 - 1], got -1"),
+          ("seed", "1e30", "seed must be an integer in [0, 2**63 - 1], got 1000000000000000019884624838656"),
+          ("init-std", "-1", "init_std must be a finite number > 0, got -1.0"),
+          ("init-std", "nan", "init_std must be a finite number > 0, got nan"),
+          ("init-std", "inf", "init_std must be a finite number > 0, got inf"),
+          ("rope-theta", "-1", "rope_theta must be a finite number > 0, got -1.0"),
+          ("rope-theta", "0", "rope_theta must be a finite number > 0, got 0.0"),
+          ("rope-theta", "nan", "rope_theta must be a finite number > 0, got nan"),
+          ("rope-theta", "inf", "rope_theta must be a finite number > 0, got inf"),
+          ("norm-eps", "-1", "norm_eps must be a finite number > 0, got -1.0"),
+          ("norm-eps", "nan", "norm_eps must be a finite number > 0, got nan"),
+          ("norm-eps", "inf", "norm_eps must be a finite number > 0, got inf"),
+          ("moe-balance-weight", "nan", "moe_balance_weight must be a finite number >= 0, got nan"),
+          ("moe-balance-weight", "inf", "moe_balance_weight must be a finite number >= 0, got inf"),
+          ("alrs-hi", "inf", "alrs_hi must be in (0, 100] (ours: a larger LR multiplier only diverges), got inf; lower it"),
+          ("alrs-hi", "1e30", "alrs_hi must be in (0, 100] (ours: a larger LR multiplier only diverges), got 1e+30; lower it"),
+          ("out-dir", "", "out_dir must name a folder, got ''; e.g. --out-dir out"),
+          ("data-cache", "", "data_cache must name a folder, got ''; e.g. --data-cache data_cache"),
+          ("data-workers", "100000", "data_workers=100000 exceeds this machine's "),
+          ("n-layer", "100000000", "this model needs at least "),
+          ("d-model", "1000000", "this model needs at least "),
+          ("vocab-size", "1e10", "this model needs at least "),
+          ("max-seq-len", "1e10", "this model needs at least "),
+      ]],
+    ("eval-batches-1e9", T, lambda d, t, r, c: _train_argv(d, t / "o", "--eval-batches", "1e9"),
+     "--eval-batches asks for 8,000,000,000 evaluation windows of 33 tokens"),
+    ("beta2-0-is-valid", T, lambda d, t, r, c: _train_argv(d, t / "o", "--beta2", "0", "--stop-step", "1", "--seq-len", "9999"),
+     "seq_len=9999 exceeds the model's max_seq_len=64"),  # beta2=0 passes the checks: the next problem is reported
+    ("data-jsonl-text-a-number", T, lambda d, t, r, c: _train_argv(d, t / "o", "--data", str(_write(t / "j" / "a.jsonl", b'{"text": 5}\n')),
+                                                                   "--data-cache", str(t / "dc")),
+     "document 1 has a 'text' of 5, not a string"),
+    ("data-jsonl-text-null", T, lambda d, t, r, c: _train_argv(d, t / "o", "--data", str(_write(t / "j" / "a.jsonl", b'{"text": null}\n')),
+                                                               "--data-cache", str(t / "dc")),
+     "document 1 has a 'text' of null, not a string"),
+    ("sample-temperature-nan", S, lambda d, t, r, c: ["--ckpt", str(c), "--temperature", "nan"],
+     "--temperature must be >= 0 (0 = greedy) and finite, got nan"),
+    ("eval-device-tpu", E, lambda d, t, r, c: ["--ckpt", str(c), "--device", "tpu"], "unknown device 'tpu'; choose one of auto, cuda"),
+    ("eval-batches-1000000", E, lambda d, t, r, c: ["--ckpt", str(c), "--device", "cpu", "--eval-batches", "1000000"],
+     "--eval-batches asks for 8,000,000 evaluation windows of 33 tokens"),
+    ("finetune-device-tpu", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--device", "tpu"), "unknown device 'tpu'; choose one of auto"),
+    ("finetune-dtype-foo", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--dtype", "foo"), "unknown dtype 'foo'; choose one of auto"),
+    ("finetune-seed-negative", F, lambda d, t, r, c: _ft_argv(t, c, t / "ft", "--seed", "-1"), "seed must be an integer in [0, 2**63 - 1]"),
+    ("finetune-not-utf8", F, lambda d, t, r, c: [*_ft_argv(t, c, t / "ft"), "--data", str(_gsm8k_with(t / "g", b"caf\xe9\n"))],
+     "train.jsonl (byte 0xe9 at offset 3) is not UTF-8 text"),
+    ("finetune-row-a-list", F, lambda d, t, r, c: [*_ft_argv(t, c, t / "ft"), "--data", str(_gsm8k_with(t / "g", b"[1, 2]\n"))],
+     "train.jsonl:1 is [1, 2], not a JSON object"),
+    ("finetune-row-null", F, lambda d, t, r, c: [*_ft_argv(t, c, t / "ft"), "--data", str(_gsm8k_with(t / "g", b"null\n"))],
+     "train.jsonl:1 is null, not a JSON object"),
     ("finetune-out-dir-under-a-file", F, lambda d, t, r, c: _ft_argv(t, c, _write(t / "f", b"x") / "f" / "ft"),
      "(Not a directory); choose a writable --out-dir"),
 ]

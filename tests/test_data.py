@@ -174,7 +174,7 @@ def test_workers_and_shards_change_no_token(tmp_path, monkeypatch, max_tokens):
     n_docs, n_train = two.meta["n_train_docs"] + two.meta["n_val_docs"], two.meta["n_train_tokens"]
     assert len(two.meta["train_files"]) >= 3
     assert n_docs == 600 if not max_tokens else (n_docs < 600 and max_tokens <= n_train < 2 * max_tokens)
-    assert sorted(p.name for p in two.path.iterdir()) == sorted(["meta.json", "tokenizer.json"] + two.meta["train_files"] +
+    assert sorted(p.name for p in two.path.iterdir()) == sorted(["manifest.json", "meta.json", "tokenizer.json"] + two.meta["train_files"] +
                                                                 two.meta["val_files"])
     assert [p.name for p in (tmp_path / "cache2").iterdir()] == [two.path.name]  # no work folder left behind
 

@@ -20,12 +20,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_bad_input import _nan_weights, flip_tensor_bytes
+from test_bad_input import _edit_meta, _edit_text, _nan_weights, flip_tensor_bytes
 from test_reliability import ROOT, _argv, _curve, _finish, _start, _tail, _wait_for
 
 import train_minimal
 from minimal_asymloop import checkpoint as ckpt
-from minimal_asymloop import finetune, metrics
+from minimal_asymloop import finetune, integrity, metrics
 from minimal_asymloop.runfolder import RunFolderError, hold
 from minimal_asymloop.trainer import read_metrics, train
 
@@ -54,12 +54,18 @@ def _truncate(path: Path) -> Path:
 
 
 DAMAGE = {
-    "flipped weight bytes": (flip_tensor_bytes, "model.safetensors does not match the checksum in meta.json"),
+    "flipped weight bytes": (flip_tensor_bytes, "model.safetensors does not match the checksum in manifest.json"),
     "truncated weights": (lambda f: _truncate(f / "model.safetensors"), "model.safetensors does not match the checksum"),
-    "truncated state": (lambda f: _truncate(f / "state.pt"), "state.pt does not match the checksum in meta.json"),
+    "truncated state": (lambda f: _truncate(f / "state.pt"), "state.pt does not match the checksum in manifest.json"),
     "NaN weights, checksum rewritten": (_nan_weights, "its weights hold inf/NaN values"),
-    "meta.json field of the wrong type": (lambda f: (f / "meta.json").write_text(json.dumps(
-        {**json.loads((f / "meta.json").read_text()), "model_config": "x"})) and f, "field 'model_config' should be a JSON object"),
+    "meta.json field of the wrong type, checksum rewritten": (lambda f: _edit_meta(f, model_config="x"),
+                                                              "field 'model_config' should be a JSON object"),
+    # one character of meta.json: K=3 -> 2 would load another model; the manifest catches it and the resume falls back
+    "meta.json n_iter 3 -> 2": (lambda f: _edit_text(f / "meta.json", '"n_iter": 3', '"n_iter": 2'),
+                                "meta.json does not match the checksum in manifest.json"),
+    "meta.json global_batch 0": (lambda f: _edit_text(f / "meta.json", '"global_batch": 8', '"global_batch": 0'),
+                                 "meta.json does not match the checksum in manifest.json"),
+    "manifest.json damaged": (lambda f: (f / "manifest.json").write_text("{") and f, "manifest.json is not a valid manifest"),
 }
 
 
@@ -90,7 +96,7 @@ def test_with_no_intact_checkpoint_resume_stops_in_one_line_naming_the_file(tiny
     flip_tensor_bytes(out / "ckpt_0000004")
     with pytest.raises(ckpt.CheckpointError) as e:
         train(mcfg, replace(tcfg, stop_step=None, resume=True))
-    assert str(e.value) == (f"checkpoint {out / 'ckpt_0000004'} is corrupt: model.safetensors does not match the checksum in meta.json "
+    assert str(e.value) == (f"checkpoint {out / 'ckpt_0000004'} is corrupt: model.safetensors does not match the checksum in manifest.json "
                             f"(its bytes changed after it was written: a disk, copy or transfer error); no intact checkpoint to fall "
                             f"back on in {out} (1 checked: ckpt_0000004)")
 
@@ -98,15 +104,15 @@ def test_with_no_intact_checkpoint_resume_stops_in_one_line_naming_the_file(tiny
 def test_every_file_of_a_checkpoint_has_its_checksum_and_a_change_of_one_byte_is_caught(tiny_checkpoint, tmp_path):
     import shutil
 
-    meta = ckpt.read_meta(tiny_checkpoint)
-    assert set(meta["checksums"]) == {"model.safetensors", "state.pt", "tokenizer.json"}
-    for name in meta["checksums"]:
+    files = integrity.read_manifest(ckpt.find_checkpoint(tiny_checkpoint))
+    assert set(files) == {"model.safetensors", "state.pt", "tokenizer.json", "meta.json", "metrics.jsonl"}
+    for name in files:
         folder = shutil.copytree(ckpt.find_checkpoint(tiny_checkpoint), tmp_path / name)
         data = bytearray((folder / name).read_bytes())
         data[len(data) // 2] ^= 1  # one bit
         (folder / name).write_bytes(bytes(data))
         with pytest.raises(ckpt.CheckpointError, match=f"is corrupt: {name} does not match the checksum"):
-            ckpt.verify(folder, ckpt.read_meta(folder), [name])
+            ckpt.verify(folder, None, [name])
 
 
 # ----------------------------------------------------------------------------- 2. one run per folder

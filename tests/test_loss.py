@@ -96,6 +96,21 @@ def test_model_loss_is_the_cross_entropy_of_its_logits_and_training_skips_the_lo
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
     assert logits.shape == (2, 16, 64)
     none, loss2 = model(idx, y, return_logits=False)
-    assert none is None and torch.equal(loss2, loss)
+    assert none is None and torch.allclose(loss2, loss, rtol=1e-6, atol=0)  # the chunked path, to float rounding
     train_loss, ce, aux = compute_loss(model, idx, y)
-    assert torch.equal(ce, loss) and aux == {}
+    assert torch.equal(ce, loss2) and aux == {}
+
+
+def test_a_call_that_returns_the_logits_runs_the_output_head_once(monkeypatch):
+    """model(x, y) takes its loss from the logits it returns; the chunked linear + cross-entropy (a second pass through the
+    head's matmul) runs only when the logits are not asked for, as in training (compute_loss)."""
+    calls = []
+    real = M.linear_cross_entropy
+    monkeypatch.setattr(M, "linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = M.LoopedLM(M.ModelConfig(arch="asymloop", n_layer=2, d_model=32, n_head=2, d_ff=64, vocab_size=64, max_seq_len=32))
+    idx = torch.randint(0, 64, (2, 16))
+    logits, loss = model(idx, idx)
+    assert calls == [] and logits is not None
+    assert torch.equal(loss, torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx.flatten()))
+    model(idx, idx, return_logits=False)
+    assert calls == [1]

@@ -244,7 +244,7 @@ def test_paper_moe_settings_at_60m():
     (dict(moe_experts=4, moe_top_k=0), r"moe_top_k=0 must be in 1\.\.moe_experts=4"),
     (dict(moe_experts=0, moe_d_ff=64), "moe_d_ff=64 applies only with moe_experts > 0"),
     (dict(moe_experts=4, moe_d_ff=0), "moe_d_ff must be a positive integer"),
-    (dict(moe_experts=4, moe_balance_weight=-1.0), "aux loss weights must be >= 0"),
+    (dict(moe_experts=4, moe_balance_weight=-1.0), r"moe_balance_weight must be a finite number >= 0, got -1.0"),
 ])
 def test_invalid_moe_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):

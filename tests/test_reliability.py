@@ -20,6 +20,7 @@ import torch
 from conftest import DATA, MODEL
 
 from minimal_asymloop import checkpoint as ckpt
+from minimal_asymloop import integrity
 from minimal_asymloop.trainer import NAN_ENV, NonFiniteLossError, read_metrics, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,10 +230,8 @@ class _System:
 
 
 def rechecksum(folder: Path) -> Path:
-    """Record the current checksums of a checkpoint's files in its meta.json, as a forger (or a careless tool) would."""
-    meta = json.loads((folder / "meta.json").read_text())
-    meta["checksums"] = {n: ckpt.file_checksum(folder / n) for n in meta["checksums"]}
-    (folder / "meta.json").write_text(json.dumps(meta))
+    """Record the current checksums of a checkpoint's files in its manifest.json, as a forger (or a careless tool) would."""
+    integrity.write_manifest(folder, integrity.read_manifest(folder))
     return folder
 
 
@@ -251,7 +250,7 @@ def test_a_checkpoint_whose_unpickling_runs_code_is_refused(kind, tiny_checkpoin
     shutil.copytree(tiny_checkpoint, run, symlinks=True)
     torch.save({"step": 30, "x": payload}, run / "latest" / "state.pt")
     # swapped in without its checksum: corrupt, and never unpickled
-    with pytest.raises(ckpt.CheckpointError, match=r"is corrupt: state.pt does not match the checksum in meta.json"):
+    with pytest.raises(ckpt.CheckpointError, match=r"is corrupt: state.pt does not match the checksum in manifest.json"):
         ckpt.load_state(run)
     # with meta.json's checksum rewritten to match: refused as code, without torch's advice to load it unsafely
     rechecksum(run / "latest")

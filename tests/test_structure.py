@@ -13,6 +13,7 @@ FLOORS = {
     "paths": 0, "system": 0, "sources": 0, "alrs": 0, "gsm8k": 0,
     # 1: the model with its kernels, decoding and FLOP count; the data; metrics, probes and the run-folder lock
     "kernels": 1, "generate": 1, "model": 1, "flops": 1, "data": 1, "metrics": 1, "probes": 1, "runfolder": 1, "loss": 1, "batches": 1,
+    "integrity": 1,
     # 2: training: its configs and presets, the optimizer, checkpoints, the trainer and the small-task trainer;
     # the transformers wrapper and the files of its export
     "config": 2, "optim": 2, "checkpoint": 2, "trainer": 2, "tasks": 2, "hf": 2, "hf_files": 2,
@@ -171,3 +172,13 @@ def test_floor_rule_catches_an_upward_import(tmp_path, monkeypatch):
 
 def test_no_module_but_model_is_over_the_line_limit():
     assert not too_long(PACKAGE), f"over {MAX_LINES} lines: " + ", ".join(too_long(PACKAGE)) + "; split each by idea"
+
+
+def test_the_model_file_imports_only_what_the_model_needs():
+    """A reader of model.py pulls in its kernels, decoding and loss, never the data pipeline or evaluation."""
+    graph, seen, todo = imports(PACKAGE), set(), ["model"]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    assert seen == {"generate", "kernels", "loss"}, seen

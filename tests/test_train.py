@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from test_reliability import rechecksum
 
 import train_minimal
 from minimal_asymloop import checkpoint as ckpt
@@ -135,20 +136,25 @@ def test_corrupt_missing_and_newer_checkpoints_are_clear_errors(tiny_checkpoint,
     shutil.copytree(ckpt.find_checkpoint(tiny_checkpoint), bad)
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(ckpt.CheckpointError, match="is corrupt: model.safetensors does not match the checksum in meta.json"):
+    with pytest.raises(ckpt.CheckpointError, match="is corrupt: model.safetensors does not match the checksum in manifest.json"):
         ckpt.load_model(bad)
     (bad / "state.pt").write_bytes(b"not a zip")
     with pytest.raises(ckpt.CheckpointError, match="corrupt: state.pt"):
         ckpt.load_state(bad)
     meta = json.loads((bad / "meta.json").read_text())
     (bad / "meta.json").write_text(json.dumps({**meta, "format_version": ckpt.FORMAT_VERSION + 1}))
+    with pytest.raises(ckpt.CheckpointError, match="meta.json does not match the checksum in manifest.json"):
+        ckpt.load_model(bad)
+    rechecksum(bad)  # from here meta.json is what the manifest says (another tool's checkpoint): what it says is checked
     with pytest.raises(ckpt.CheckpointError, match="newer than this code"):
         ckpt.load_model(bad)
     (bad / "meta.json").write_text("{")
+    rechecksum(bad)
     with pytest.raises(ckpt.CheckpointError, match="meta.json is not valid JSON"):
         ckpt.load_model(bad)
     (bad / "model.safetensors").write_bytes(data)
     (bad / "meta.json").write_text(json.dumps({**meta, "model_config": {**meta["model_config"], "d_model": 48, "n_head": 2}}))
+    rechecksum(bad)
     with pytest.raises(ckpt.CheckpointError, match="does not match its model config"):
         ckpt.load_model(bad)
     (bad / "state.pt").unlink()

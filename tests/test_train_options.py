@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_reliability import rechecksum
 
 import train_minimal
 from minimal_asymloop import checkpoint as ckpt
@@ -155,9 +156,7 @@ def test_resume_from_a_checkpoint_saved_with_more_gpus_on_cpu_is_exact(tiny_conf
         path = ckpt.find_checkpoint(out) / "state.pt"
         state = torch.load(path, weights_only=True)
         torch.save({**state, "rng": {**state["rng"], "cuda": fake}}, path)  # as if saved by a CUDA run
-        meta = json.loads((path.parent / "meta.json").read_text())
-        meta["checksums"]["state.pt"] = ckpt.file_checksum(path)  # as that run would have recorded it
-        (path.parent / "meta.json").write_text(json.dumps(meta))
+        rechecksum(path.parent)  # as that run would have recorded it
         _, rest = tiny_configs(max_steps=8, eval_interval=4, out_dir=str(out), resume=True)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
