@@ -57,3 +57,16 @@ def test_tables_print_the_json_numbers():
     assert f"{lm['fixed'][2]['ce']:.4f}" in text and len(text.splitlines()) == 1 + len(lm["fixed"]) + len(lm["adaptive"])
     line = next(s for s in C.chain_table(RES["chain"]["runs"]).splitlines() if s.split()[:2] == [str(run["seed"]), "tau=0.03"])
     assert f"{C.at_tau(run['adaptive'], 0.03)['iter_by_hops']['3']:.2f}" in line
+
+
+def test_exit_grid_marks_ran_and_stopped_cells():
+    exit_iter, hops = [2, 6, 3], [0, 1, 3]
+    fig = C.plot_exit_grid(exit_iter, hops, 6, 0.1)
+    ax = fig.axes[0]
+    img = ax.get_images()[0].get_array()
+    assert img[:2, 0].tolist() == [1, 1] and img[2:, 0].tolist() == [0, 0, 0, 0]  # token 0 ran 2 iterations
+    assert img[:, 1].tolist() == [1] * 6  # token 1 never stopped
+    texts = [t.get_text() for t in ax.texts]
+    assert texts.count("2") == 4 and texts.count("3") == 3 and "6" not in texts  # stopped cells show the exit iteration
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["", "1h", "3h"]
+    assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()

@@ -1,10 +1,14 @@
 """Notebook 04's figures and tables: adaptive per-token depth read from notebooks/results/adaptive.json
 (`python -m minimal_asymloop.bench adaptive`), so that its cells show the rule and the result, not the plotting."""
 
+import numpy as np
+from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 MARKERS = ("o", "s", "^")  # one per chain seed
 HOP_COLORS = {"1": "C0", "2": "C2", "3": "C3"}
+# offsets (points) that keep the LM figure's τ labels apart
+TAU_OFFSETS = {1e-4: (4, 7), 1e-3: (4, -13), 3e-3: (-52, 5), 1e-2: (6, -12), 3e-2: (6, -13), 0.1: (6, 5)}
 
 
 def name(row: dict) -> str:
@@ -52,9 +56,15 @@ def plot_lm(lm: dict) -> Figure:
         ax.plot([r[x] for r in lm["fixed"]], [r["ce"] for r in lm["fixed"]], "o-", color="k",
                 label=f"fixed K = 1..{lm['max_iter']}")
         ax.plot([r[x] for r in ad], [r["ce"] for r in ad], "s--", color="C1", label="adaptive, τ > 0")
+        seen = []  # thresholds that land on (nearly) the same point share one label
         for r in ad:
-            if r["tau"] in (1e-3, 1e-2, 3e-2, 0.1):
-                ax.annotate(f"τ={r['tau']:g}", (r[x], r["ce"]), textcoords="offset points", xytext=(4, 5), fontsize=9)
+            pt = (round(r[x], 1), round(r["ce"], 2))
+            if pt in seen:
+                continue
+            same = [f"{q['tau']:g}" for q in ad if (round(q[x], 1), round(q["ce"], 2)) == pt]
+            seen.append(pt)
+            ax.annotate("τ=" + ", ".join(same), (r[x], r["ce"]), textcoords="offset points", fontsize=8,
+                        xytext=TAU_OFFSETS.get(r["tau"], (5, 6)))
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out cross-entropy (nats/token)")
@@ -86,7 +96,7 @@ def plot_chain(runs: list[dict]) -> Figure:
     axes[0].legend()
     k1 = runs[0]["fixed"][0]["acc_by_hops"]["3"]
     axes[1].set(xlabel=f"forward FLOPs per token (/ fixed K={runs[0]['max_iter']})", ylabel="3-hop accuracy",
-                ylim=(0.93, 1.003), title=f"3-hop accuracy against compute\n(fixed K=1: {k1:.2f}, below the axis)")
+                ylim=(0.93, 1.003), title=f"3-hop accuracy against compute\n(fixed K=1: {k1:.2f}, chance with 4 values; below the axis)")
     axes[1].legend(loc="lower right")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -111,3 +121,26 @@ def chain_table(runs: list[dict]) -> str:
             it = " ".join(f"{a:.2f}" for a in r["iter_by_hops"].values())
             lines.append(f"{run['seed']:>4} {name(r):>10} {r['mean_iter']:>11.2f} {acc:>20} {it:>26}")
     return "\n".join(lines)
+
+
+def plot_exit_grid(exit_iter, hops, max_iter: int, tau: float) -> Figure:
+    """One program's tokens (columns) × decoder iterations (rows): green where the token ran that iteration, grey
+    where it had stopped, labelled with the iteration whose Local KV it shows later tokens there. `hops` (T,) is the
+    answer's hop count at answer positions and 0 elsewhere; exit_iter (T,) the iterations each token ran."""
+    exit_iter, hops = np.asarray(exit_iter), np.asarray(hops)
+    t = len(exit_iter)
+    k = np.arange(1, max_iter + 1)[:, None]
+    fig = Figure(figsize=(min(14, 0.42 * t + 2), 3.6))
+    ax = fig.subplots()
+    ax.imshow((k <= exit_iter[None]).astype(float), cmap=ListedColormap(["#DDDDDD", "#55A868"]), aspect="auto",
+              origin="lower", extent=(-0.5, t - 0.5, 0.5, max_iter + 0.5), vmin=0, vmax=1)
+    for pos in range(t):
+        for it in range(exit_iter[pos] + 1, max_iter + 1):
+            ax.text(pos, it, str(exit_iter[pos]), ha="center", va="center", fontsize=7, color="#555555")
+    ax.set_xticks(range(t), [f"{h}h" if h else "" for h in hops], fontsize=7)
+    ax.set(xlabel="token position (answers marked with their hop count)", ylabel="decoder iteration",
+           yticks=range(1, max_iter + 1),
+           title=f"Where each token stops (τ = {tau:g}): green = ran; grey = stopped, "
+                 "showing later tokens the Local KV of the iteration written in it")
+    fig.tight_layout()
+    return fig

@@ -91,7 +91,11 @@ def plot_sweep(res: dict) -> Figure:
         for lr, v in zip(lrs, vals):
             ax.plot([lr] * len(v), v, ".", color=color, alpha=0.4)
     steps = res["setting"]["steps"]
-    ax.set(xscale="log", xlabel="base learning rate", ylabel=f"val loss after {steps} steps (nats/token)",
+    grid = sorted(set(res["setting"]["lr_grids"]["uniform"]) | set(res["setting"]["lr_grids"]["alrs"]))
+    ax.set_xscale("log")
+    ax.set_xticks(grid, [f"{lr:g}" for lr in grid], fontsize=9)
+    ax.minorticks_off()
+    ax.set(xlabel="base learning rate", ylabel=f"val loss after {steps} steps (nats/token)",
            title="ALRS is ahead of uniform LR at every base LR both tried\n(dots: seeds; each arm has its own sweep)")
     ax.legend()
     fig.tight_layout()
@@ -105,13 +109,17 @@ def plot_controls(res: dict) -> Figure:
     labels = []
     for i, (label, (arm, lr)) in enumerate(control_arms(res).items()):
         d = within_seed(res, arm, lr)
-        ax.bar(i, d.mean(), color="C3" if d.mean() < 0 else "C0", alpha=0.5)
-        ax.plot([i] * len(d), d, "ko", ms=5)
+        ax.bar(i, d.mean(), color="C3" if d.mean() < 0 else "C0", alpha=0.5,
+               label={True: "mean below uniform (better)", False: "mean above uniform (worse)"}[bool(d.mean() < 0)])
+        ax.plot([i] * len(d), d, "ko", ms=5, label="one seed" if i == 0 else None)
         labels.append(f"{label}\n(base LR {lr:g})".replace(", ", ",\n", 1))
     ax.axhline(0, color="k", lw=1)
     ax.set_xticks(range(len(labels)), labels, fontsize=9)
     ax.set(xlabel="arm (the base LR it ran at)", ylabel="val loss − uniform at its best\n(nats/token, within seed)",
-           title="Only the arms that pin embedding and head at 5× beat uniform LR (dots: seeds)")
+           title="The arms that pin embedding and head at 5× beat uniform LR in every seed; the other two do not")
+    handles, names = ax.get_legend_handles_labels()
+    keep = {n: h for h, n in zip(handles, names)}  # one entry per label
+    ax.legend(keep.values(), keep.keys(), fontsize=9, loc="upper left")
     fig.tight_layout()
     return fig
 
