@@ -24,8 +24,9 @@ TABLE7 = {"asymloop_k3": 24.727, "asymloop_k3_no_global": 25.566, "asymloop_k3_a
 # Table 4 (a), uniform-LR rows at K=3 and K=5: AsymLoop, "w/o Global KV" and "w/o Local KV".
 TABLE4A = {3: {"asymloop": 24.727, "no_global": 25.566, "no_local": 25.656},
            5: {"asymloop": 24.619, "no_global": 25.751, "no_local": 25.465}}
-# Uniform LR, validation CE: AsymLoop from Table 6 (QKNorm), Dense and Full Loop from Table 8's "Uniform" rows (the
-# paper does not say whether those use QKNorm). Table 8's Full Loop K=2 (PPL 25.571) is not Table 7's (25.053).
+# Uniform LR, validation CE: AsymLoop from Table 6 (QKNorm), Dense and Full Loop from Table 8's "Uniform" rows
+# (Appendix C.3's "Dense, Full Loop, and AsymLoop without QKNorm" leaves open whether those two use QKNorm).
+# Table 8's Full Loop K=2 (PPL 25.571) is not Table 7's (25.053); the paper does not say why.
 UNIFORM_CE = {"asymloop_k1": 3.238735, "asymloop_k3": 3.207915, "asymloop_k5": 3.203515,
               "dense": 3.271820, "full_loop_k2": 3.241455, "full_loop_k3": 3.229346}
 # Table 6: G(K) = validation CE without Global KV minus with it (nats/token), QKNorm and uniform LR.
