@@ -362,14 +362,17 @@ def plot_lookups(look: dict, qhops) -> Figure:
     its = np.arange(1, 4)
     style = {(1, 0): ("tab:red", "--", "j=1 via Global"), (1, 1): ("tab:red", "-", "j=1 via Local"),
              (2, 0): ("tab:blue", "--", "j=2 via Global"), (2, 1): ("tab:blue", "-", "j=2 via Local")}
+    u = uniform_share(qhops)
     for ax, key in zip(axes, keys):
         b = shares(look[key], qhops, 3)
         for (j, half), (color, ls, lab) in style.items():
             ax.plot(its, b[:, j, half], ls, marker="o", ms=4, color=color, label=lab)
+        both = key[0] == "asymloop_k3"  # uniform attention over every visible key: per half, or all on Global
+        ax.axhline(u / 2 if both else u, color="0.5", ls=":", lw=1.2, label="uniform attention, one statement")
         ax.set_title(f"{'both halves' if key[0] == 'asymloop_k3' else 'without Local KV'}\nseed {key[1]}", fontsize=10)
         ax.set(xticks=its, xlabel="iteration", ylim=(0, 0.85))
     axes[0].set_ylabel("share of attention\n(mean over heads)")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=9)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=9)
     fig.suptitle("3-hop queries: without Local KV iteration k looks k statements back; with it, iteration 2 looks at "
                  "j=1 again, via Local", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
