@@ -45,3 +45,34 @@ def test_figures_build_without_pyplot(ctx):
         assert fig._suptitle is not None and fig.axes[0].get_ylabel()
     legend = figs[1].axes[1].get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["trained K=2", "trained K=3"]  # one entry per trained K
+
+
+def test_live_title_follows_the_run():
+    live = {"K=1": [(500, {1: 1.0, 2: 1.0, 3: 0.6})], "K=2": [(625, {1: 1.0, 2: 1.0, 3: 0.995})]}
+    title = chain.live_title(live, 3, 1000, 0.99)
+    assert "K=2 converges at step 625" in title and "K=1 does not (3-hop 0.60)" in title
+    flipped = chain.live_title({"K=1": live["K=2"], "K=2": live["K=1"]}, 3, 1000, 0.99)
+    assert "K=1 converges" in flipped and "K=2 does not" in flipped  # the title is the run's, not hard-coded
+
+
+def test_live_figure_shows_the_committed_run_to_its_end():
+    grid = chain.ChainRuns("chain_task")
+    run = grid.run("asymloop_k1", 3)
+    live = {"K=1 (depth 2)": [(125, {1: 0.5, 2: 0.5, 3: 0.5}), (1000, {1: 1.0, 2: 1.0, 3: 0.63})]}
+    fig = chain.plot_live(live, {"K=1 (depth 2)": run}, "t")
+    xs = max(max(line.get_xdata(), default=0) for line in fig.axes[1].get_lines())
+    assert xs == run["curve"][-1][0] > 1250  # not cut at the live run's last step
+
+
+def test_uniform_share_matches_untrained_attention(ctx):
+    # an untrained model attends about uniformly: its share per statement is close to 4 / (q + 1) on average
+    init = chain.untrained_lookups(ctx, seed=0, name="asymloop_k3_no_local")
+    _, qhops = chain.lookups(ctx, {})
+    u, s = chain.uniform_share(qhops), chain.shares(init, qhops, 3).sum(-1)
+    assert 0.1 < u < 0.25 and abs(s[0, 1] - u) < 0.03 and abs(s[0, 2] - u) < 0.03
+
+
+def test_no_local_claims_fail_on_the_untrained_no_local_model(ctx):
+    init = chain.untrained_lookups(ctx, seed=0, name="asymloop_k3_no_local")
+    _, qhops = chain.lookups(ctx, {})
+    assert not chain.lookup_claims(init, qhops, local=False)

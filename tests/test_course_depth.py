@@ -51,3 +51,21 @@ def test_figures_build_without_pyplot(runs):
     assert plt.get_fignums() == []
     for fig in figs:
         assert all(ax.get_ylabel() for ax in fig.axes[:1]) and (fig._suptitle or fig.axes[0].get_title())
+
+
+def test_paper_matched_uses_each_table_as_printed():
+    # Tables 6+8: Table 6's AsymLoop CE minus Table 8's "Uniform" baseline; Table 7 only at depth 2L; Table 3 ln ratio
+    p = {pair: depth.paper_matched(*pair) for pair in depth.PAIRS}
+    assert p[("dense", "asymloop_k1")]["Tables 6+8"] == pytest.approx(3.238735 - 3.271820)
+    assert p[("full_loop_k2", "asymloop_k3")]["Tables 6+8"] == pytest.approx(3.207915 - 3.241455)
+    assert p[("full_loop_k3", "asymloop_k5")]["Tables 6+8"] == pytest.approx(3.203515 - 3.229346)
+    assert p[("full_loop_k2", "asymloop_k3")]["Table 7"] == pytest.approx(math.log(24.727 / 25.053))
+    assert p[("dense", "asymloop_k1")]["Table 7"] is None and p[("full_loop_k3", "asymloop_k5")]["Table 7"] is None
+    assert p[("dense", "asymloop_k1")]["Table 3"] == pytest.approx(math.log(21.79 / 23.72))
+
+
+def test_k5_without_global_kv_is_table_4a(runs, capsys):
+    depth.context_table(runs, 5)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "asymloop_k5_no_global" in x)
+    assert f"Table 4a {math.log(25.751 / 24.619):+.3f}" in line  # the paper has this run: Table 4a, K=5

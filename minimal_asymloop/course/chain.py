@@ -9,7 +9,6 @@ from dataclasses import replace
 import numpy as np
 import safetensors.torch
 import torch
-from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -76,9 +75,12 @@ def _seed_dots(ax, x, acc, ok, color, marker, label=None, spread=0.045):
 
 
 def _steps_panel(ax, x, st, n_failed, max_steps, color, marker, spread=0.06):
+    """Solved seeds as filled markers at their step; the failed ones as one hollow marker above the cap, with their count."""
     st = np.sort(st)
     ax.scatter(x + spread * (np.arange(len(st)) - (len(st) - 1) / 2), st, marker=marker, s=40, color=color)
-    ax.text(x, max_steps * 1.04, f"{n_failed}", ha="center", fontsize=9, color=color)
+    if n_failed:
+        ax.scatter([x], [max_steps * 1.08], marker=marker, s=40, facecolor="white", edgecolor=color, lw=1.3)
+        ax.text(x, max_steps * 1.12, f"{n_failed}", ha="center", fontsize=9, color=color)
 
 
 def plot_depth(grid: ChainRuns, names) -> Figure:
@@ -98,11 +100,13 @@ def plot_depth(grid: ChainRuns, names) -> Figure:
                ylabel="accuracy, held-out programs", ylim=(0, 1.05))
     axes[0].legend(fontsize=8, loc="lower right")
     axes[2].axhline(max_steps, color="0.6", ls=":", lw=1)
-    axes[2].set(title="steps to converge (solved seeds)\nnumber on top: seeds that failed", ylabel="training steps",
-                xlabel="effective depth (blocks per token)", ylim=(0, max_steps * 1.12), xlim=axes[0].get_xlim())
+    axes[2].set(title="steps to converge (filled: solved seeds)\nhollow above the cap: failed, with their count",
+                ylabel="training steps", xlabel="effective depth (blocks per token)", ylim=(0, max_steps * 1.2),
+                xlim=axes[0].get_xlim())
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.suptitle("Depth 1-2 never learns the chains; from depth 3 on, some seeds do (filled: converged)")
+    fig.suptitle(f"No depth-1-2 run converges (every hop count ≥ {grid.setting['converged']}) within "
+                 f"{max_steps:,} steps; from depth 3 on, some seeds do (filled: converged)")
     fig.tight_layout()
     return fig
 
@@ -143,7 +147,7 @@ def plot_test_depth(grid: ChainRuns, names) -> Figure:
 
 
 def plt_color(j, n):
-    return colormaps["viridis"](j / max(n, 1))
+    return ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")[j % 6]
 
 
 def plot_context(ctx: ChainRuns, names) -> Figure:
@@ -159,8 +163,8 @@ def plot_context(ctx: ChainRuns, names) -> Figure:
     for ax, h in zip(axes[:2], ctx.hops[1:]):
         ax.set(title=f"{h}-hop statements", ylabel="accuracy, held-out programs", ylim=(0, 1.05))
     axes[2].axhline(max_steps, color="0.6", ls=":", lw=1)
-    axes[2].set(title="steps to converge (solved seeds)\nnumber on top: seeds that failed", ylabel="training steps",
-                ylim=(0, max_steps * 1.12))
+    axes[2].set(title="steps to converge (filled: solved seeds)\nhollow above the cap: failed, with their count",
+                ylabel="training steps", ylim=(0, max_steps * 1.2))
     for ax in axes:
         ax.set_xticks(range(len(names)), [LABELS[n] for n in names], fontsize=8, rotation=90)
     fig.suptitle("Effective depth 4, 5 seeds each: additive injection never converges (filled: converged)")
@@ -181,7 +185,8 @@ def plot_curves(runs: ChainRuns, names, h=3, title="") -> Figure:
         ax.title.set_fontsize(9)
         ax.xaxis.set_major_locator(MaxNLocator(3))
     axes[0].set_ylabel(f"{h}-hop accuracy")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(runs.seeds), fontsize=9)
+    handles = [axes[0].plot([], [], "-", color=f"C{j}", label=f"seed {s}")[0] for j, s in enumerate(runs.seeds)]
+    fig.legend(handles=handles, loc="lower center", ncol=len(runs.seeds), fontsize=9)
     fig.suptitle(title + " (dashed: not converged)", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
@@ -233,16 +238,81 @@ def plot_live(live: dict, committed: dict, title: str) -> Figure:
         for ax, h in zip(axes, (2, 3)):
             ax.plot(*zip(*[(s, a[h]) for s, a in curve]), "-o", ms=4, color=f"C{j}", label=f"{label}, live")
             run = committed.get(label)
-            if run:
-                pts = [(s, a[str(h)]) for s, a in run["curve"] if s <= last + 250]
-                ax.plot(*zip(*pts), ":", lw=2, color=f"C{j}", label=f"{label}, committed run")
+            if run:  # to its end: the committed run may go on far past the live one
+                ax.plot(*zip(*[(s, a[str(h)]) for s, a in run["curve"]]), ":", lw=2, color=f"C{j}",
+                        label=f"{label}, committed run (to step {run['curve'][-1][0]:,})")
     for ax, h in zip(axes, (2, 3)):
+        ax.axvline(last, color="0.5", lw=0.8)
+        ax.text(last, 0.03, " live runs stop", fontsize=8, color="0.4")
         ax.set(title=f"{h}-hop statements", xlabel="training step", ylim=(0, 1.05))
     axes[0].set_ylabel("accuracy, held-out programs")
     axes[1].legend(fontsize=8, loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def live_title(live: dict, seed: int, max_steps: int, converged: float) -> str:
+    """The live figure's title, from the runs: which variants converged within max_steps, and where the others end."""
+    parts = []
+    for label, curve in live.items():
+        step, acc = curve[-1]
+        ok = min(acc.values()) >= converged
+        parts.append(f"{label} converges at step {step:,}" if ok else f"{label} does not ({max(acc)}-hop {acc[max(acc)]:.2f})")
+    return f"Live, seed {seed}, within {max_steps:,} steps: " + "; ".join(parts)
+
+
+def example(task: ChainTask, seed: int = 3):
+    """Print one program as the model sees it, with the target and hop count at every position that carries a loss."""
+    idx, targets, hops = task.batch(1, torch.Generator().manual_seed(seed))
+    text = task.decode(idx[0])
+    print(f"task: {task.n_stmt} statements, {task.n_vars} variable names, values 0..{task.n_values - 1}, chains of "
+          f"1..{task.max_hops} hops; {task.seq_len} tokens, a loss at each right-hand side (positions 2, 6, 10, ...)")
+    print("input :", " ".join(text))
+    print("target:", " ".join(task.chars[t] if t >= 0 else "." for t in targets[0].tolist()))
+    print("hops  :", " ".join(str(h) if h >= 0 else "." for h in hops[0].tolist()))
+
+
+def draw_chain(text: str = "a=3;x=1;b=a;c=b;") -> Figure:
+    """The lookups a 3-hop statement needs, block by block: block 1 binds each statement's name to its right-hand
+    side; block 2 lets every 2-hop statement read the digit of the statement it names; block 3 lets the 3-hop
+    statement read the now-resolved value of the statement it names."""
+    stmts = [t for t in text.split(";") if t]
+    fig = Figure(figsize=(10, 3.3))
+    ax = fig.subplots()
+    env = {}
+    for i, st in enumerate(stmts):
+        lhs, rhs = st.split("=")
+        env[lhs] = rhs if rhs.isdigit() else env[rhs]
+        ax.text(i, 3, st + ";", ha="center", va="center", fontsize=13, family="monospace",
+                bbox=dict(boxstyle="round", fc="0.95", ec="0.5"))
+        ax.text(i, 2.35, f"value {env[lhs]}", ha="center", fontsize=9, color="0.3")
+    names = {st.split("=")[0]: i for i, st in enumerate(stmts)}
+    for level, st in enumerate(stmts):
+        rhs = st.split("=")[1]
+        if rhs in names:
+            j = names[rhs]
+            hop = 2 if stmts[j].split("=")[1].isdigit() else 3
+            y = 1.9 - 0.55 * (hop - 2)
+            ax.annotate("", xy=(j, y), xytext=(level, y), arrowprops=dict(arrowstyle="->", color=f"C{hop - 2}", lw=2,
+                                                                          connectionstyle="arc3,rad=0.3"))
+            ax.text((level + j) / 2, y - 0.42, f"block {hop}: '{st}' reads the value of '{stmts[j]}'", ha="center",
+                    fontsize=9, color=f"C{hop - 2}")
+    ax.text(-0.4, 0.15, "block 1: each right-hand side takes in its statement's name (two tokens back): the key a later "
+            "lookup matches", fontsize=9, color="0.3")
+    ax.set(xlim=(-0.6, len(stmts) - 0.4), ylim=(0, 3.5))
+    ax.axis("off")
+    ax.set_title("A k-hop statement needs k blocks in sequence (one way to do it): bind, then one lookup per hop after the first",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def uniform_share(qhops, h: int = 3) -> float:
+    """Share of attention (both halves summed) one 4-token statement gets from an h-hop query that attends uniformly
+    to every key it may see: 4 / (q + 1) for the query at position q, mean over the h-hop queries."""
+    q = 2 + 4 * torch.arange(qhops.shape[1])
+    return float((4 / (q + 1)).expand_as(qhops)[qhops == h].mean())
 
 
 # ----------------------------------------------------------------------------- lookups
@@ -292,14 +362,17 @@ def plot_lookups(look: dict, qhops) -> Figure:
     its = np.arange(1, 4)
     style = {(1, 0): ("tab:red", "--", "j=1 via Global"), (1, 1): ("tab:red", "-", "j=1 via Local"),
              (2, 0): ("tab:blue", "--", "j=2 via Global"), (2, 1): ("tab:blue", "-", "j=2 via Local")}
+    u = uniform_share(qhops)
     for ax, key in zip(axes, keys):
         b = shares(look[key], qhops, 3)
         for (j, half), (color, ls, lab) in style.items():
             ax.plot(its, b[:, j, half], ls, marker="o", ms=4, color=color, label=lab)
+        both = key[0] == "asymloop_k3"  # uniform attention over every visible key: per half, or all on Global
+        ax.axhline(u / 2 if both else u, color="0.5", ls=":", lw=1.2, label="uniform attention, one statement")
         ax.set_title(f"{'both halves' if key[0] == 'asymloop_k3' else 'without Local KV'}\nseed {key[1]}", fontsize=10)
         ax.set(xticks=its, xlabel="iteration", ylim=(0, 0.85))
     axes[0].set_ylabel("share of attention\n(mean over heads)")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=9)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=9)
     fig.suptitle("3-hop queries: without Local KV iteration k looks k statements back; with it, iteration 2 looks at "
                  "j=1 again, via Local", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
@@ -317,7 +390,7 @@ def lookup_claims(lk: dict, qhops, local: bool) -> bool:
     return bool(s[1, 1] > 0.2 and s[1, 1] > 1.5 * s[1, 2] and b[1, 1, 1] > 2 * b[1, 1, 0])
 
 
-def untrained_lookups(runs: ChainRuns, seed: int = 0) -> dict:
-    """chain_lookups of AsymLoop K=3 at initialisation (seed `seed`), on the same programs: the reference."""
+def untrained_lookups(runs: ChainRuns, seed: int = 0, name: str = "asymloop_k3") -> dict:
+    """chain_lookups of model `name` at initialisation (seed `seed`), on the same programs: the reference."""
     torch.manual_seed(seed)
-    return lookups(runs, {"init": LoopedLM(ex.chain_models(runs.task)["asymloop_k3"]).eval()})[0]["init"]
+    return lookups(runs, {"init": LoopedLM(ex.chain_models(runs.task)[name]).eval()})[0]["init"]

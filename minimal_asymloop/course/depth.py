@@ -15,13 +15,20 @@ from minimal_asymloop.model import ModelConfig
 from minimal_asymloop.paths import RESULTS
 
 # The paper (Liang et al., 2026), 60M models, 1.68B tokens. Validation perplexity unless said otherwise.
-# Table 3 (matched depth): AsymLoop trained with ALRS (the paper's main recipe).
+# Table 3 (matched depth). The paper states its token budget ("held fixed within each model scale", Section 4.4), not
+# its learning-rate recipe; its numbers match neither the uniform-LR nor the ALRS/layerwise rows of Tables 4a and 8.
 TABLE3 = {"dense": 23.72, "asymloop_k1": 21.79, "full_loop_k2": 23.03, "asymloop_k3": 21.45, "full_loop_k3": 22.77,
           "asymloop_k5": 21.30}
 # Table 7 (context access, K=3; Full Loop K=2): QKNorm and uniform LR in every model.
 TABLE7 = {"asymloop_k3": 24.727, "asymloop_k3_no_global": 25.566, "asymloop_k3_additive": 25.116, "full_loop_k2": 25.053}
-# Table 4 (a), uniform-LR rows at K=3 and K=5: AsymLoop and "w/o Local KV".
-TABLE4A = {3: {"asymloop": 24.727, "no_local": 25.656}, 5: {"asymloop": 24.619, "no_local": 25.465}}
+# Table 4 (a), uniform-LR rows at K=3 and K=5: AsymLoop, "w/o Global KV" and "w/o Local KV".
+TABLE4A = {3: {"asymloop": 24.727, "no_global": 25.566, "no_local": 25.656},
+           5: {"asymloop": 24.619, "no_global": 25.751, "no_local": 25.465}}
+# Uniform LR, validation CE: AsymLoop from Table 6 (QKNorm), Dense and Full Loop from Table 8's "Uniform" rows
+# (Appendix C.3's "Dense, Full Loop, and AsymLoop without QKNorm" leaves open whether those two use QKNorm).
+# Table 8's Full Loop K=2 (PPL 25.571) is not Table 7's (25.053); the paper does not say why.
+UNIFORM_CE = {"asymloop_k1": 3.238735, "asymloop_k3": 3.207915, "asymloop_k5": 3.203515,
+              "dense": 3.271820, "full_loop_k2": 3.241455, "full_loop_k3": 3.229346}
 # Table 6: G(K) = validation CE without Global KV minus with it (nats/token), QKNorm and uniform LR.
 TABLE6 = {1: 0.021611, 3: 0.033343, 5: 0.044968}
 PAIRS = [("dense", "asymloop_k1"), ("full_loop_k2", "asymloop_k3"), ("full_loop_k3", "asymloop_k5")]
@@ -71,27 +78,36 @@ def ms(x, f="+.3f"):
     return f"{np.mean(x):{f}} ± {np.std(x, ddof=1):.3f}"
 
 
+def paper_matched(base: str, asym: str) -> dict:
+    """The paper's AsymLoop minus baseline (ln PPL ratio = ΔCE) for one pair, by source; None where it has no run."""
+    t7 = math.log(TABLE7[asym] / TABLE7[base]) if base in TABLE7 and asym in TABLE7 else None
+    return {"Table 3": math.log(TABLE3[asym] / TABLE3[base]), "Tables 6+8": UNIFORM_CE[asym] - UNIFORM_CE[base],
+            "Table 7": t7}
+
+
 def matched_depth(runs: LMRuns) -> dict:
-    """Print AsymLoop minus its matched-depth baseline, within seed, beside Table 3 (ALRS) and Table 7 (uniform LR);
+    """Print AsymLoop minus its matched-depth baseline, within seed, beside the paper's three sources for the pair;
     return {(baseline, asymloop): per-seed differences}."""
     diffs = {(b, a): runs.loss(a) - runs.loss(b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
-    print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better)")
-    print(f"{'pair (effective depth)':>32} | {'Table 3: ALRS, 60M':>19} | {'Table 7: uniform, 60M':>21} | "
+    print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better). Paper: 60M, 17.6 "
+          "tokens/param;\n  Table 3: recipe not stated | Tables 6+8: uniform LR, CE of Table 6's AsymLoop minus "
+          "Table 8's baseline | Table 7: uniform LR, QKNorm")
+    print(f"{'pair (our depth)':>32} | {'Table 3':>7} | {'Tables 6+8':>10} | {'Table 7':>7} | "
           f"{'ours: uniform, ' + format(runs.tpp, '.1f') + ' tok/param':>26} | per seed")
     for base, asym in PAIRS:
         depth = runs.runs[(asym, runs.seeds[0])]["effective_depth"] if runs.have(asym) else "?"
-        t3 = math.log(TABLE3[asym] / TABLE3[base])
-        t7 = f"{math.log(TABLE7[asym] / TABLE7[base]):+.3f}" if base in TABLE7 and asym in TABLE7 else "no run"
+        p = {k: ("no run" if v is None else f"{v:+.3f}") for k, v in paper_matched(base, asym).items()}
         d = diffs.get((base, asym))
         ours = ms(d) if d is not None else "not run"
         per = " ".join(f"{x:+.3f}" for x in d) if d is not None else ""
-        print(f"{asym + ' - ' + base + f' ({depth})':>32} | {t3:>+19.3f} | {t7:>21} | {ours:>26} | {per}")
+        print(f"{asym + ' - ' + base + f' ({depth})':>32} | {p['Table 3']:>7} | {p['Tables 6+8']:>10} | "
+              f"{p['Table 7']:>7} | {ours:>26} | {per}")
     return diffs
 
 
 def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
     """Left: validation loss against effective depth. Right: AsymLoop minus its baseline, one dot per seed, beside
-    Table 7 (the paper's run of our recipe)."""
+    the paper's uniform-LR differences (Tables 6+8, Table 7) and Table 3 (recipe not stated)."""
     fig = Figure(figsize=(11, 4.4))
     axes = fig.subplots(1, 2)
     ax = axes[0]
@@ -107,10 +123,12 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
     ax = axes[1]
     for i, ((base, asym), d) in enumerate(diffs.items()):
         ax.plot([i - 0.1] * len(d), d, "o", color="tab:blue", ms=7, alpha=0.7, label="ours, each seed" if i == 0 else None)
-        if base in TABLE7 and asym in TABLE7:
-            ax.plot(i + 0.1, math.log(TABLE7[asym] / TABLE7[base]), "s", color="k", ms=8, label="paper, Table 7 (uniform LR)")
-        ax.plot(i + 0.1, math.log(TABLE3[asym] / TABLE3[base]), "x", color="0.5", ms=8, mew=2,
-                label="paper, Table 3 (ALRS: another recipe)" if i == 0 else None)
+        p = paper_matched(base, asym)
+        ax.plot(i + 0.1, p["Tables 6+8"], "D", color="k", ms=7, label="paper, Tables 6+8 (uniform LR)" if i == 0 else None)
+        if p["Table 7"] is not None:
+            ax.plot(i + 0.1, p["Table 7"], "s", color="k", mfc="w", ms=8, label="paper, Table 7 (uniform LR)")
+        ax.plot(i + 0.1, p["Table 3"], "x", color="0.5", ms=8, mew=2,
+                label="paper, Table 3 (recipe not stated)" if i == 0 else None)
     ax.axhline(0, color="0.6", lw=0.8)
     ax.set_xticks(range(len(diffs)), [f"{a}\n− {b}" for b, a in diffs], fontsize=9)
     ax.set(xlim=(-0.5, len(diffs) - 0.5), ylabel="Δ validation loss (nats/token)",
@@ -124,21 +142,22 @@ def lens_names(runs: LMRuns):
     return [n for n in ("asymloop_k1", "asymloop_k3", "asymloop_k5", "full_loop_k2", "full_loop_k3") if runs.have(n)]
 
 
-def plot_lens(runs: LMRuns, init=None) -> Figure:
-    """Loss when the head reads z_k, k = 1..8, per trained model (★: its trained K), mean ± std over seeds; `init`:
-    an untrained model's lens, drawn as the reference."""
-    fig = Figure(figsize=(9, 4.5))
+def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
+    """Loss when the head reads z_k, k = 1..8, per trained model (★: its trained K), mean ± std over seeds; additive
+    injection dashed; `init`: an untrained model's lens, named in the title as the reference."""
+    fig = Figure(figsize=(9.5, 4.8))
     ax = fig.subplots()
     ks = np.arange(1, ex.MAX_TEST_K + 1)
-    for j, n in enumerate(lens_names(runs)):
+    names = lens_names(runs) if names is None else names
+    for j, n in enumerate(names):
         c, k = runs.lens(n), runs.n_iter(n)
-        off = 0.05 * (j - 2)
+        off = 0.04 * (j - len(names) / 2)
         ax.errorbar(ks + off, c.mean(0), yerr=c.std(0, ddof=1), marker="o" if "asym" in n else "^", color=f"C{j}",
-                    capsize=3, label=f"{n} (trained K={k})")
+                    ls="--" if "additive" in n else "-", capsize=3, label=f"{n} (trained K={k})")
         ax.plot([k + off], [c.mean(0)[k - 1]], "*", color=f"C{j}", ms=16, mec="k")
-    ref = "" if init is None else f"; untrained: {min(init):.2f}-{max(init):.2f} at every k, off this scale"
+    ref = "" if init is None else f"; untrained: {np.mean(init):.2f} at every k, off this scale"
     ax.set(xlabel="iteration k whose state the head reads (★: the trained K)", ylabel="loss, held-out windows (nats/token)",
-           title=f"Each trained iteration lowers the loss; iterating past the trained K raises it\n"
+           title=f"Each trained iteration lowers the loss; past the trained K it rises, except with additive injection\n"
                  f"(mean ± std over {len(runs.seeds)} seeds, {runs.tpp:.1f} tokens/param{ref})")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=9)
@@ -168,10 +187,10 @@ def context_table(runs: LMRuns, k: int):
     ref = runs.loss(f"asymloop_k{k}")
     for v in ("no_global", "additive", "no_local"):
         n = f"asymloop_k{k}_{v}"
-        if k in TABLE4A and v == "no_local":
-            paper = f"Table 4a {math.log(TABLE4A[k]['no_local'] / TABLE4A[k]['asymloop']):+.3f}"
-        elif k == 3 and n in TABLE7:
+        if k == 3 and n in TABLE7:
             paper = f"Table 7 {math.log(TABLE7[n] / TABLE7['asymloop_k3']):+.3f}"
+        elif k in TABLE4A and v in TABLE4A[k]:
+            paper = f"Table 4a {math.log(TABLE4A[k][v] / TABLE4A[k]['asymloop']):+.3f}"
         else:
             paper = "no run"
         if runs.have(n):
