@@ -1,12 +1,13 @@
 """Notebook 01's plumbing (minimal_asymloop/course/attention.py): the trace tables, the checks, the reuse of a build."""
 
 import json
+import math
 import re
 
 import pytest
 import torch
 
-from minimal_asymloop.course.attention import check, definitions, key_labels, show_failing, table
+from minimal_asymloop.course.attention import check, competition_figure, definitions, global_shares, key_labels, show_failing, table
 
 
 def test_the_table_prints_each_value_and_splits_the_halves():
@@ -76,3 +77,20 @@ def test_the_edits_notebook_01_asks_for_fail_their_checks_as_its_text_says():
                 seen.append(line)
         exec(src, ns)
     assert len(seen) == len(EDITS), f"edited lines not found in notebook 01: {set(e[0] for e in EDITS) - set(seen)}"
+
+
+def test_the_competition_figure_plots_one_softmax_global_share_against_two_softmaxes_half():
+    """Token 0 sees G0 (score 2) and L0 (score 0): w_G = e^(2g) / (e^(2g) + 1), 1/2 at g = 0; two softmaxes: 1/2."""
+    scores = torch.tensor([[2.0, 0.0, 0.0, 0.0], [1.0, -1.0, 0.5, 0.5]], dtype=torch.float64)
+    mask = torch.tensor([[True, False, True, False], [True, True, True, True]])
+    for g in (0.0, 1.0, 2.0):
+        assert abs(global_shares(scores, mask, g)[0].item() - math.exp(2 * g) / (math.exp(2 * g) + 1)) < 1e-12
+    fig = competition_figure(scores, mask, global_scale=2.0)
+    curves = fig.axes[1].get_lines()
+    grid, token0 = curves[0].get_data()
+    assert abs(token0[grid.tolist().index(2.0)] - math.exp(4) / (math.exp(4) + 1)) < 1e-12
+    assert list(curves[2].get_ydata()) == [0.5, 0.5]  # the two-softmax line
+    cells = [t.get_text() for t in fig.axes[0].texts]
+    assert cells[:4] == [f"{math.exp(4) / (math.exp(4) + 1):.2f}", "-", f"{1 / (math.exp(4) + 1):.2f}", "-"]
+    with pytest.raises(ValueError, match="must both be \\(N, 2N\\); pass one head"):
+        competition_figure(scores[None], mask)

@@ -29,7 +29,8 @@ def test_each_decoder_layer_projects_its_own_input_and_reads_its_own_global_kv()
     assert texts.count("decoder layer $1$") == texts.count("decoder layer $D$") == 3
     assert texts.count("$K^G_1, V^G_1$") == texts.count("$K^G_D, V^G_D$") == 3
     assert "one softmax, $[K^G_D ; K^L]$" in texts
-    assert "z_{k-1}" not in mask_figure(n=3).axes[0].get_xlabel()
+    xlabel = mask_figure(n=3).axes[0].get_xlabel()
+    assert "z_{k-1}" not in xlabel and "K^G_l" not in xlabel and "position $j$" in xlabel  # ticks: k_j, j = position
 
 
 def test_a_bad_highlight_names_the_choices():

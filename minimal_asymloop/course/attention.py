@@ -3,6 +3,8 @@ piece built in the notebook with the package's module (and show a wrong version 
 
 import torch
 
+from minimal_asymloop.course.draw import COLORS, FONT, NotebookFigure
+
 
 def key_labels(n: int) -> list[str]:
     """Column names of the (N, 2N) score matrix: Global keys G0..G(N-1), then Local keys L0..L(N-1)."""
@@ -60,6 +62,48 @@ def show_failing(label: str, run):
         print(f"CAUGHT  wrong version ({label}): {e}")
         return
     raise RuntimeError(f"the check passed on a wrong version ({label}); it cannot tell the two apart")
+
+
+def global_shares(scores: torch.Tensor, mask: torch.Tensor, global_scale: float = 1.0) -> torch.Tensor:
+    """w_G per query: the Global half's share of ONE softmax over the (N, 2N) masked scores, the Global half's scores
+    multiplied by global_scale."""
+    n = scores.size(-1) // 2
+    s = torch.cat([global_scale * scores[..., :n], scores[..., n:]], dim=-1)
+    return s.masked_fill(~mask, float("-inf")).softmax(-1)[..., :n].sum(-1)
+
+
+def competition_figure(scores: torch.Tensor, mask: torch.Tensor, global_scale: float = 1.0, max_scale: float = 3.0):
+    """Left: the one softmax's probabilities (N, 2N) with the Global scores times global_scale. Right: w_G per token
+    against the Global scale, one softmax (a curve per token) against two softmaxes averaged (0.5 whatever the scores)."""
+    if scores.dim() != 2 or scores.shape != mask.shape or scores.size(1) != 2 * scores.size(0):
+        raise ValueError(f"scores {tuple(scores.shape)} and mask {tuple(mask.shape)} must both be (N, 2N); pass one head")
+    n = scores.size(0)
+    s = torch.cat([global_scale * scores[:, :n], scores[:, n:]], dim=1)
+    probs = s.masked_fill(~mask, float("-inf")).softmax(1)
+    fig = NotebookFigure(figsize=(10, 3.3), layout="constrained")
+    ax, bx = fig.subplots(1, 2, width_ratios=(1.1, 1))
+    ax.imshow(probs.numpy(), cmap="Purples", vmin=0, vmax=1)
+    for (i, j), p in zip(torch.cartesian_prod(torch.arange(n), torch.arange(2 * n)).tolist(), probs.flatten().tolist()):
+        ax.text(j, i, f"{p:.2f}" if mask[i, j] else "-", ha="center", va="center", fontsize=FONT - 1,
+                color="white" if p > 0.5 else "black")
+    ax.axvline(n - 0.5, color="black", lw=2)
+    ax.set_xticks(range(2 * n), key_labels(n))
+    ax.set_yticks(range(n), [f"token {i}" for i in range(n)])
+    ax.set_xlabel("key column: Global half | Local half")
+    ax.set_ylabel("query")
+    ax.set_title(f"one softmax, Global scores x{global_scale:g}: each row sums to 1", fontsize=FONT)
+    grid = torch.linspace(0, max_scale, 61)
+    curves = torch.stack([global_shares(scores, mask, float(g)) for g in grid])  # (len(grid), N)
+    for i in range(n):
+        bx.plot(grid.numpy(), curves[:, i].numpy(), lw=2, label=f"token {i}, one softmax")
+    bx.axhline(0.5, color=COLORS["head"], ls="--", lw=1.5, label="two softmaxes averaged (any scale)")
+    bx.axvline(global_scale, color="black", lw=0.8, ls=":")
+    bx.set_ylim(0, 1)
+    bx.set_xlabel("GLOBAL_SCALE: the Global scores multiplied by")
+    bx.set_ylabel("$w_G$: Global share of the mass")
+    bx.set_title("Only one softmax lets the halves compete", fontsize=FONT)
+    bx.legend(fontsize=FONT - 2.5, loc="lower right")
+    return fig
 
 
 def definitions(path, tag: str, functions_only: bool = False) -> str:

@@ -180,7 +180,7 @@ def mask_figure(n: int = 4) -> Figure:
     ax.set_xticks([j + 0.5 for j in range(2 * n)],
                   [f"$k^G_{{{j}}}$" if j < n else f"$k^L_{{{j - n}}}$" for j in range(2 * n)], fontsize=FONT)
     ax.set_yticks([i + 0.5 for i in range(n)], [f"$q_{{{i}}}$" for i in range(n)], fontsize=FONT)
-    ax.set_xlabel("key position $j$: Global half ($K^G_l$, from $H$) | Local half ($K^L$, from the layer's input)",
+    ax.set_xlabel("key $k_j$ (subscript: position $j$): Global half (from $H$) | Local half (from the layer's input)",
                   fontsize=FONT)
     ax.set_ylabel("query position $i$", fontsize=FONT)
     ax.set_title(f"Joint mask $({n}, {2 * n})$: query $i$ sees key $j$ of both halves iff $j \\leq i$", fontsize=FONT + 1)
