@@ -127,3 +127,48 @@ def check_model(model_cfg, sampler: DepthSampler, backprop_depth: int | None):
                          f"({model_cfg.arch}{'' if model_cfg.arch == 'full_loop' else ' without Global KV'} feeds its input "
                          f"to the loop only as z_0, before the no-grad iterations); use asymloop with Global KV or additive "
                          f"context, or --backprop-depth >= {sampler.largest()}")
+
+
+# ----------------------------------------------------------------------------- python -m minimal_asymloop.bench depth
+
+
+def bench(args):
+    """Peak training memory and step time against backprop_depth n at one K: forward + backward of one micro-batch.
+    CUDA: the allocator's peak above what was allocated before the step; elsewhere system.peak_new_bytes, the live tensor
+    storages the step creates (autograd's saved tensors and the gradients included), not the process's RSS."""
+    from minimal_asymloop.flops import train_flops_per_token
+    from minimal_asymloop.model import LoopedLM, ModelConfig
+    from minimal_asymloop.system import peak_new_bytes, timeit
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfg = ModelConfig.from_preset(args.size, args.arch, n_iter=args.k)
+    torch.manual_seed(0)
+    model = LoopedLM(cfg).to(device)
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
+    how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak live tensor bytes (system.peak_new_bytes)"
+    print(f"{args.arch} {args.size} K={args.k}, batch {args.batch} x {args.seq}, {device} fp32; peak memory: {how}")
+    print(f"{'backprop depth':>14} {'peak MiB':>9} {'ms/step':>9} {'train GFLOPs/token':>19}")
+    rows = []
+    for n in args.backprop_depths:
+        def step(n=n):
+            model.zero_grad(set_to_none=True)
+            model(idx, idx, n_iter=args.k, return_logits=False, backprop_depth=n or None)[1].backward()
+        if device.type == "cuda":
+            step()
+            torch.cuda.synchronize(device)
+            model.zero_grad(set_to_none=True)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
+        else:
+            model.zero_grad(set_to_none=True)
+            peak = peak_new_bytes(step)
+        seconds = timeit(step, device, warmup=0, min_time=args.min_time, max_iters=5)
+        flops = train_flops_per_token(cfg, args.seq, backprop_depth=n or None)
+        rows.append(dict(backprop_depth=n or args.k, peak_bytes=peak, step_s=seconds, train_flops_per_token=flops))
+        print(f"{n or 'all':>14} {peak / 2**20:>9.1f} {seconds * 1e3:>9.0f} {flops / 1e9:>19.4f}")
+    return rows
