@@ -218,3 +218,31 @@ def test_logit_lens_and_kv_cached_generation_work_at_any_k(k):
     cached = model.generate(idx, 6, temperature=0.0, n_iter=k, use_cache=True)
     plain = model.generate(idx, 6, temperature=0.0, n_iter=k, use_cache=False)
     assert torch.equal(cached, plain)
+
+
+# ----------------------------------------------------------------------------- the experiment: cached per run, resumable
+
+
+def test_sampled_depth_experiment_reuses_cached_runs_and_lists_the_missing(monkeypatch, tmp_path):
+    import importlib
+
+    from minimal_asymloop.experiments import common
+    sd = importlib.import_module("minimal_asymloop.experiments.sampled_depth")  # the module (the package exports the function)
+
+    monkeypatch.setattr(sd, "OUT", tmp_path)
+    monkeypatch.setattr(sd, "probe_batch", lambda: None)
+    monkeypatch.setattr(sd, "peak_memory", lambda k: 1000 * k)
+    monkeypatch.setattr(sd, "train_on_task", lambda *a, **k: pytest.fail("trained a cached run"))
+    monkeypatch.setattr(common, "CACHED_ONLY", True)
+    setting = dict(task=sd.CHAIN_TASK, model=sd.CHAIN_MODEL, steps=sd.CHAIN_STEPS, batch=sd.CHAIN_BATCH, lr=sd.CHAIN_LR,
+                   recipe=sd.RECIPES["lognormal_k3"])
+    cached = dict(task="chain", recipe="lognormal_k3", seed=1, mean_k=2.9)
+    (tmp_path / "chain-lognormal_k3-s1.json").write_text(json.dumps(dict(setting=setting, run=cached)))
+    result = sd.sampled_depth()
+    assert result["runs"] == [cached]
+    assert len(result["missing"]) == 3 * 3 * 2 - 1 and dict(task="lm", recipe="fixed_k3", seed=0) in result["missing"]
+    assert result["memory"]["lognormal_k3"]["peak_bytes_at_largest_k"] == 8000  # the cap sets the peak
+    setting["steps"] += 1  # another setting: the cached run is not this one's
+    (tmp_path / "chain-lognormal_k3-s1.json").write_text(json.dumps(dict(setting=setting, run=cached)))
+    with pytest.raises(pytest.fail.Exception, match="trained a cached run"):
+        sd.chain_run("lognormal_k3", 1, sd.CHAIN_STEPS)
