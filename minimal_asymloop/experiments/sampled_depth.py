@@ -9,6 +9,7 @@ so an interrupted command continues where it stopped; --cached-only writes the J
 
 import json
 import time
+from dataclasses import asdict
 
 import torch
 
@@ -76,6 +77,9 @@ def lm_run(recipe: str, seed: int, steps: int, batch) -> dict | None:
     """The tiny LM's AsymLoop K = 3 (lm.LM, uniform LR) trained with this recipe's K, then swept on the probe windows."""
     model_cfg = lm_config("asymloop", n_iter=3)
     train_cfg = train_config(steps, seed, OUT / f"lm-{recipe}-s{seed}", **RECIPES[recipe])
+    path, setting = OUT / f"lm-{recipe}-s{seed}.json", dict(model=model_cfg.to_dict(), train=asdict(train_cfg))
+    if path.exists() and json.loads(path.read_text())["setting"] == setting and common.finished(model_cfg, train_cfg):
+        return json.loads(path.read_text())["run"]
     if common.CACHED_ONLY and not common.finished(model_cfg, train_cfg):
         return None
     result, model = train_lm(model_cfg, train_cfg, reuse=True)
@@ -90,6 +94,7 @@ def lm_run(recipe: str, seed: int, steps: int, batch) -> dict | None:
                sweep=adaptive.sweep(model.eval(), *batch, max_iter=TEST_K))
     print(f"  lm {recipe:>13} seed {seed}: val loss {run['val_loss']:.4f} at K=3, mean K {run['mean_k']:.3f} "
           f"({run['seconds']:.0f}s)", flush=True)
+    write_json(path, dict(setting=setting, run=run))  # the sweep too: a rerun reads it instead of probing again
     return run
 
 
@@ -103,6 +108,17 @@ def peak_memory(k: int, batch: int = 32, seq: int = 128) -> int:
         _, loss = model(idx, idx, n_iter=k, return_logits=False)
         loss.backward()
     return peak_new_bytes(step)
+
+
+def common_peaks(quick: bool) -> dict[int, int]:
+    """{K: peak bytes} at K = 3 and each recipe's largest K, cached in OUT/memory.json."""
+    path, ks = OUT / "memory.json", sorted({3, *(sampler(name, 0).largest() for name in RECIPES)})
+    cached = {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() and not quick else {}
+    peaks = {k: cached[k] if k in cached else peak_memory(k) for k in ks}
+    if not quick:
+        OUT.mkdir(parents=True, exist_ok=True)
+        write_json(path, peaks)
+    return peaks
 
 
 def sampled_depth(quick=False):
@@ -123,7 +139,7 @@ def sampled_depth(quick=False):
             for recipe in group:
                 row = lm_run(recipe, seed, lm_steps, batch)
                 (runs.append(row) if row else missing.append(dict(task="lm", recipe=recipe, seed=seed)))
-    peaks = {k: peak_memory(k) for k in sorted({3, *(sampler(name, 0).largest() for name in RECIPES)})}
+    peaks = common_peaks(quick)
     memory = {name: dict(largest_k=sampler(name, 0).largest(), expected_k=sampler(name, 0).expected(), peak_bytes_at_k3=peaks[3],
                          peak_bytes_at_largest_k=peaks[sampler(name, 0).largest()]) for name in RECIPES}
     setting = dict(recipes=RECIPES, test_k=TEST_K, seeds=list(seeds), chain=dict(task=CHAIN_TASK, model=CHAIN_MODEL,
