@@ -85,3 +85,22 @@ def within_seed(result: dict, task: str = "lm", metric: str = "ce") -> dict[str,
                                diff=[[a[metric] - b[metric] for a, b in zip(r["sweep"]["fixed"], f["sweep"]["fixed"])]
                                      for r, f in pairs])
     return out
+
+
+def beats_fixed(result: dict, task: str = "lm", budget: float = 3.0) -> dict[str, list[dict]]:
+    """Per recipe and seed: the adaptive threshold with the lowest cross-entropy at <= `budget` mean iterations per token,
+    against the fixed-K=3 model run at K=3 (same seed). `gain` < 0: that threshold beats the paper's recipe at equal or
+    lower compute."""
+    runs = runs_of(result, task)
+    base = {r["seed"]: next(x for x in r["sweep"]["fixed"] if x["k"] == 3) for r in runs.get("fixed_k3", [])}
+    out = {}
+    for recipe, rs in runs.items():
+        for r in rs:
+            if r["seed"] not in base:
+                continue
+            ok = [a for a in r["sweep"]["adaptive"] if a["mean_iter"] <= budget + 1e-9]
+            best = min(ok, key=lambda a: a["ce"]) if ok else None
+            out.setdefault(recipe, []).append(dict(seed=r["seed"], tau=best and best["tau"], mean_iter=best and best["mean_iter"],
+                                                   ce=best and best["ce"], fixed_k3_ce=base[r["seed"]]["ce"],
+                                                   gain=best and best["ce"] - base[r["seed"]]["ce"]))
+    return out
