@@ -22,16 +22,17 @@ def runs_of(result: dict, task: str) -> dict[str, list[dict]]:
 
 
 def _band(ax, x, ys, label):
+    """Each seed as a thin line and the median over seeds as a thick one: one seed stuck on a plateau stays visible and
+    does not drag the summary, as a mean would."""
     ys = np.array(ys)
-    mean = ys.mean(0)
-    line, = ax.plot(x, mean, "o-", label=f"{LABELS.get(label, label)}, n={len(ys)} seeds")
-    if len(ys) > 1:
-        ax.fill_between(x, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
+    line, = ax.plot(x, np.median(ys, 0), "o-", lw=2, label=f"{LABELS.get(label, label)}: median of {len(ys)} seeds")
+    for y in ys:
+        ax.plot(x, y, "-", lw=0.8, alpha=0.4, color=line.get_color())
 
 
 def fig_test_k(result: dict, hops: str = "3") -> Figure:
     """Left: LM cross-entropy against test-time K; right: chain-task accuracy on `hops`-hop chains against test-time K.
-    Mean over seeds, band = min..max; the dotted line is the K every recipe averages in training."""
+    Median over seeds, thin lines each seed; the dotted line is the K every recipe averages in training."""
     fig = Figure(figsize=(11, 4))
     lm_ax, ch_ax = fig.subplots(1, 2)
     for recipe, runs in runs_of(result, "lm").items():
@@ -53,16 +54,16 @@ def fig_test_k(result: dict, hops: str = "3") -> Figure:
 
 
 def fig_frontier(result: dict, task: str = "lm") -> Figure:
-    """The adaptive exit rule's frontier per recipe (mean over seeds): cross-entropy against mean decoder iterations per
+    """The adaptive exit rule's frontier per recipe (median over seeds): cross-entropy against mean decoder iterations per
     token, each threshold a point, beside fixed K = 1..8 (dashed)."""
     fig = Figure(figsize=(6.5, 4.2))
     ax = fig.subplots()
     for recipe, runs in runs_of(result, task).items():
-        ada = np.array([[(r["mean_iter"], r["ce"]) for r in run["sweep"]["adaptive"]] for run in runs]).mean(0)
-        fix = np.array([[(r["mean_iter"], r["ce"]) for r in run["sweep"]["fixed"]] for run in runs]).mean(0)
+        ada = np.median([[(r["mean_iter"], r["ce"]) for r in run["sweep"]["adaptive"]] for run in runs], 0)
+        fix = np.median([[(r["mean_iter"], r["ce"]) for r in run["sweep"]["fixed"]] for run in runs], 0)
         line, = ax.plot(*ada.T, "o-", label=f"{LABELS.get(recipe, recipe)}: adaptive exit")
         ax.plot(*fix.T, "x--", c=line.get_color(), alpha=0.6, label=f"{LABELS.get(recipe, recipe)}: fixed K")
-    ax.set(title=f"{'Tiny LM' if task == 'lm' else 'Chain task'}: adaptive exit frontier by training recipe",
+    ax.set(title=f"{'Tiny LM' if task == 'lm' else 'Chain task'}: adaptive exit frontier by training recipe (median of seeds)",
            xlabel="mean decoder iterations per token", ylabel="cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
