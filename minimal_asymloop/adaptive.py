@@ -85,7 +85,7 @@ def chain_model(path):
     """The chain task's AsymLoop E=D=1, K=3 (experiments.chain_models()["asymloop_k3"]) with weights from path."""
     from safetensors.torch import load_file
 
-    from minimal_asymloop import experiments
+    from minimal_asymloop.experiments import chain as experiments  # the module, not the package: no import circle
     from minimal_asymloop.model import LoopedLM
     from minimal_asymloop.tasks import ChainTask
 
@@ -96,7 +96,7 @@ def chain_model(path):
 
 def chain_batch(n: int | None = None, seed: int = 1234):
     """(idx, targets, hops) of the held-out programs that experiments.chain_run scores (CHAIN_EVAL of them, seed 1234)."""
-    from minimal_asymloop import experiments
+    from minimal_asymloop.experiments import chain as experiments  # the module, not the package: no import circle
     from minimal_asymloop.tasks import ChainTask
 
     task = ChainTask(**experiments.CHAIN_TASK)

@@ -9,6 +9,7 @@
     python -m minimal_asymloop.bench data        # data preparation MB/s and tokens/s with 1 and 2 tokenizer workers
     python -m minimal_asymloop.bench adaptive --ckpt out/tiny-asymloop-k3   # adaptive per-token depth vs fixed K
     python -m minimal_asymloop.bench loss        # chunked linear + cross-entropy vs fp32 logits: peak memory, time
+    python -m minimal_asymloop.bench depth --k 8 # truncated backprop through the loop: peak memory and time vs n (depth.py)
 """
 
 import argparse
@@ -426,7 +427,16 @@ def main(argv=None):
     lo.add_argument("--vocab", type=int, default=32128)
     lo.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: 2^27 logits / vocab)")
     lo.add_argument("--min-time", type=float, default=1.0)
+    de = sub.add_parser("depth", help="peak training memory and step time vs --backprop-depth n at one K")
+    for flag, kind, default in (("--size", str, "tiny"), ("--arch", str, "asymloop"), ("--k", int, 8), ("--batch", int, 8),
+                                ("--seq", int, 128), ("--threads", int, 1), ("--min-time", float, 0.0)):
+        de.add_argument(flag, type=kind, default=default)
+    de.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    de.add_argument("--backprop-depths", type=int, nargs="+", default=[0, 8, 4, 2, 1], help="n values (0: every iteration)")
     args = p.parse_args(argv)
+    if args.what == "depth":
+        from minimal_asymloop import depth
+        return depth.bench(args)
     {"attention": bench_attention, "train": bench_train, "generate": bench_generate, "alrs": bench_alrs, "moe": bench_moe,
      "gpu": bench_gpu, "data": bench_data, "loss": bench_loss, "adaptive": bench_adaptive}[args.what](args)
 

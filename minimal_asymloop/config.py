@@ -12,7 +12,7 @@ import textwrap
 import tokenize
 from dataclasses import dataclass, fields
 
-from minimal_asymloop import alrs
+from minimal_asymloop import alrs, depth
 from minimal_asymloop.sources import TOKENIZERS
 from minimal_asymloop.system import DTYPES, ConfigError, check_device_name, cpu_cores
 
@@ -72,6 +72,13 @@ class TrainConfig:
     alrs_phase: float = 0.2  # allocate while step <= phase * total steps, then freeze
     alrs_ramp: int = 50  # steps of linear transition to each new allocation
     dec_lr_mult: float | None = None  # Table 4b's baseline instead of ALRS: one LR multiplier for all decoder matrices; None -> off
+    # (ours) train once, run at any depth: K drawn per optimizer step, after Huginn (depth.py); fixed is the paper
+    depth_sampler: str = "fixed"  # K per step: fixed (the model's n_iter) | uniform (depth_min..depth_max) | lognormal_poisson (Huginn's)
+    depth_min: int = 1  # uniform: the smallest K drawn
+    depth_max: int | None = None  # uniform: the largest K drawn
+    depth_mean: float | None = None  # lognormal_poisson: the mean K (before the cap)
+    depth_cap: int | None = None  # lognormal_poisson: the largest K drawn (bounds time and memory per step)
+    backprop_depth: int | None = None  # backpropagate through the last n decoder iterations only (Huginn); None or 0 -> all K
 
     def __post_init__(self):
         for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "log_interval", "ddp_timeout_s", "max_skips"):
@@ -101,6 +108,13 @@ class TrainConfig:
             raise ConfigError(f"unknown tokenizer {self.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
         if self.max_steps is None and self.tokens is None:
             raise ConfigError("no training budget: set --max-steps or --tokens")
+        try:  # the depth sampler's settings, checked before any data preparation
+            depth.check(self.depth_sampler, self.depth_min, self.depth_max, self.depth_mean, self.depth_cap)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.backprop_depth is not None and (not isinstance(self.backprop_depth, int) or self.backprop_depth < 0):
+            raise ConfigError(f"backprop_depth must be an integer >= 0 (0 or None: backpropagate through every iteration), "
+                              f"got {self.backprop_depth!r}")
         alrs_hook(self)  # checks the ALRS settings now, with a clear error, even when ALRS is off
         if self.dec_lr_mult is not None:
             if self.alrs:

@@ -56,6 +56,20 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict:
     return dict(total=total, blocks=blocks, head=head, global_kv_proj=glob_proj, global_attn=glob_attn)
 
 
+def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, depth_pmf: dict | None = None,
+                          backprop_depth: int | None = None) -> float:
+    """Training FLOPs per token: 3x forward (Appendix D's convention), averaged over the K that training runs, depth_pmf
+    ({K: probability}, depth.DepthSampler.pmf; None: the config's n_iter). (ours) The iterations that truncated backprop
+    runs without a graph (all but the last backprop_depth) cost 1x forward, not 3x."""
+    total = 0.0
+    for k, p in (depth_pmf or {cfg.n_iter: 1.0}).items():
+        fwd = flops_per_token(replace(cfg, n_iter=k), seq_len)["total"]
+        no_grad = max(k - backprop_depth, 0) if backprop_depth and cfg.arch != "dense" else 0
+        per_iter = fwd - flops_per_token(replace(cfg, n_iter=k - 1), seq_len)["total"] if no_grad else 0
+        total += p * (3 * fwd - 2 * no_grad * per_iter)
+    return total
+
+
 def sizes_table(seq_len: int = 1024) -> str:
     """Markdown table of parameters and forward FLOPs/token for the paper's sizes."""
     rows = ["| size | arch | K | eff. depth | params | fwd GFLOPs/token | Global KV share |",

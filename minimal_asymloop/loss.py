@@ -83,13 +83,14 @@ def _unwrap(model):
     return getattr(model, "_orig_mod", model)  # torch.compile
 
 
-def compute_loss(model, x, y):
+def compute_loss(model, x, y, **depth):
     """The one place a batch becomes a loss. Returns (loss to backprop, LM cross-entropy, aux dict).
 
     With MoE FFNs the model's loss already includes its routers' weighted aux losses in training mode
     (LoopedLM.forward); aux holds them by name for the log, and the cross-entropy is the loss without them.
+    depth: this step's n_iter and backprop_depth when the trainer samples K (depth.py); none: the model's K.
     """
-    _, loss = model(x, y, return_logits=False)  # linear_cross_entropy: no logits materialized
+    _, loss = model(x, y, return_logits=False, **depth)  # linear_cross_entropy: no logits materialized
     raw = _unwrap(model)
     aux = raw.moe_aux_losses() if raw.training else {}
     return loss, (loss - sum(aux.values()) if aux else loss), aux

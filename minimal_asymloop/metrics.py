@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from minimal_asymloop.flops import flops_per_token
+from minimal_asymloop.flops import train_flops_per_token
 from minimal_asymloop.runfolder import RunFolderError, after_write_failure, why_and_fix
 from minimal_asymloop.system import rank_and_world
 
@@ -207,6 +207,9 @@ def log_steps(run) -> bool:
     cfg, tokens_per_step = run.cfg, run.cfg.global_batch * run.cfg.seq_len
     values = torch.stack([stats for _, _, stats, _, _ in run.pending]).tolist()
     dt = (time.time() - run.t_log) / len(run.pending)  # step time: the interval's mean
+    if run.peak_flops:  # MFU from the interval's mean training FLOPs, over the K its steps drew (depth.py)
+        ks = [e["n_iter"] for *_, e, _ in run.pending]
+        flops = train_flops_per_token(run.model_cfg, cfg.seq_len, {k: ks.count(k) / len(ks) for k in set(ks)}, cfg.backprop_depth)
     stop = False
     for (step, lr, _, extra, scale), (loss_val, gn, stop_flag, *aux) in zip(run.pending, values):  # aux: MoE aux losses, entropies
         stop = stop or stop_flag > 0
@@ -224,7 +227,7 @@ def log_steps(run) -> bool:
         if scale is not None:
             row.update(loss_scale=scale, overflow_skipped=run.overflow_skipped)
         if run.peak_flops:
-            row["mfu"] = 3 * flops_per_token(run.model_cfg, cfg.seq_len)["total"] * tokens_per_step / dt / (run.peak_flops * run.world)
+            row["mfu"] = flops * tokens_per_step / dt / (run.peak_flops * run.world)
         row.update(extra or {})
         log_metrics(run.out_dir, row, run.wandb)
     run.bar.update(len(run.pending))

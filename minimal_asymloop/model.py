@@ -8,6 +8,7 @@ Spec: the paper (Section 3 for the model). Choices the paper leaves open are mar
 """
 
 import math
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -494,12 +495,13 @@ class LoopedLM(nn.Module):
             kv = [cache.layer("global", i).append(*kv_i) for i, kv_i in enumerate(kv)]
         return kv
 
-    def states(self, idx, n_iter: int | None = None, cache=None) -> list[torch.Tensor]:
+    def states(self, idx, n_iter: int | None = None, cache=None, backprop_depth: int | None = None) -> list[torch.Tensor]:
         """Residual states [z_1, ..., z_K] after each iteration (one entry for dense).
 
         z_k does not depend on the total K, so one call at the largest K gives every
         smaller K's state: the per-iteration logit lens is `model.logits(z_k)`.
         With a KVCache, idx holds only the tokens after those already cached.
+        backprop_depth n (ours, after Huginn): the first K - n iterations run without a graph (depth.py); None: all K.
         """
         cfg, n_iter = self.config, n_iter or self.config.n_iter
         if n_iter < 1:
@@ -516,11 +518,13 @@ class LoopedLM(nn.Module):
             for i, blk in enumerate(self.blocks):
                 x = blk(x, self.rope, cache=lc("block", 0, i), start=start)
             return [x]
+        no_grad_iters = max(n_iter - backprop_depth, 0) if backprop_depth else 0  # truncated backprop through the loop
         if cfg.arch == "full_loop":  # z_0 = embed(x), z_k = Stack(z_{k-1})
             out = []
             for k in range(n_iter):
-                for i, blk in enumerate(self.blocks):
-                    x = blk(x, self.rope, cache=lc("block", k, i), start=start)
+                with torch.no_grad() if k < no_grad_iters else nullcontext():
+                    for i, blk in enumerate(self.blocks):
+                        x = blk(x, self.rope, cache=lc("block", k, i), start=start)
                 out.append(x)
             return out
         for i, blk in enumerate(self.encoder):  # H = Enc(embed(x)), run once
@@ -530,18 +534,20 @@ class LoopedLM(nn.Module):
         z = torch.zeros_like(h) if cfg.context == "additive" else h  # z_0
         out = []
         for k in range(n_iter):  # z_k = Dec(z_{k-1}), decoder weights shared across k
-            if cfg.context == "additive":
-                z = z + h  # additive injection: z_k = Dec(z_{k-1} + H)
-            for i, (blk, kv_l) in enumerate(zip(self.decoder, kv)):
-                # Local KV per (iteration, layer): the decoder state differs at each iteration
-                z = blk(z, self.rope, kv_l, lc("local", k, i), start)
+            with torch.no_grad() if k < no_grad_iters else nullcontext():
+                if cfg.context == "additive":
+                    z = z + h  # additive injection: z_k = Dec(z_{k-1} + H)
+                for i, (blk, kv_l) in enumerate(zip(self.decoder, kv)):
+                    # Local KV per (iteration, layer): the decoder state differs at each iteration
+                    z = blk(z, self.rope, kv_l, lc("local", k, i), start)
             out.append(z)
         return out
 
     def logits(self, z):
         return self.head(self.norm(z))  # (B, N, V)
 
-    def forward(self, idx, targets=None, n_iter: int | None = None, return_logits: bool = True):
+    def forward(self, idx, targets=None, n_iter: int | None = None, return_logits: bool = True,
+                backprop_depth: int | None = None):
         """(logits, loss). The loss (with targets; -1 ignored) is the cross-entropy of the logits when they are
         returned (one output head), else, with return_logits=False (training and validation), it comes from the
         final norm's output through `linear_cross_entropy`, which never holds all the fp32 logits, and (None, loss)
@@ -550,7 +556,7 @@ class LoopedLM(nn.Module):
         moe = self.moe_layers()
         for m in moe.values():
             m.reset_stats()
-        h = self.norm(self.states(idx, n_iter)[-1])  # (B, N, d)
+        h = self.norm(self.states(idx, n_iter, backprop_depth=backprop_depth)[-1])  # (B, N, d)
         logits = self.head(h) if return_logits or targets is None else None  # (B, N, V)
         loss = None
         if targets is not None:

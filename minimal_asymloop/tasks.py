@@ -118,12 +118,14 @@ def accuracy_by_hops(model, task: ChainTask, n: int = 256, n_iter: int | None = 
 
 
 def train_on_task(model, task: ChainTask, steps: int = 600, batch_size: int = 32, lr: float = 3e-3,
-                  seed: int = 0, log_every: int = 0, check_every: int = 0, check=None) -> list[float]:
+                  seed: int = 0, log_every: int = 0, check_every: int = 0, check=None, depth=None,
+                  backprop_depth: int | None = None) -> list[float]:
     """(ours) Train on fresh task batches with the LM trainer's optimizer groups and LR schedule; returns the loss per step.
 
     The task is not a text corpus, so batches come from `task.batch`, not the trainer's data pipeline.
     check(step, model) -> bool, called after every `check_every` steps: True stops training there (early stopping
     once a model has converged); the returned list then has one loss per step actually run.
+    depth: a depth.DepthSampler drawing K per step (None: the model's n_iter); backprop_depth: truncated backprop.
     """
     cfg = TrainConfig(max_steps=steps, lr=lr, seq_len=task.seq_len, global_batch=batch_size)
     g = torch.Generator().manual_seed(seed)
@@ -134,7 +136,9 @@ def train_on_task(model, task: ChainTask, steps: int = 600, batch_size: int = 32
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg) * group["lr_mult"]
         idx, targets, _ = task.batch(batch_size, g)
-        _, loss = model(idx, targets, return_logits=False)  # CE at right-hand sides only (targets -1 elsewhere); the head runs once
+        k = depth.draw() if depth is not None else None
+        # CE at right-hand sides only (targets -1 elsewhere); the head runs once
+        _, loss = model(idx, targets, return_logits=False, n_iter=k, backprop_depth=backprop_depth)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

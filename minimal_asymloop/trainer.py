@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from minimal_asymloop import alrs
+from minimal_asymloop import alrs, depth
 from minimal_asymloop import checkpoint as ckpt
 from minimal_asymloop.batches import BatchSampler, check_eval_windows, data_for_run, evaluate_loss  # noqa: F401 (re-exported)
 from minimal_asymloop.config import RESUME_MAY_CHANGE, TRAIN_PRESETS, TrainConfig  # noqa: F401 (TRAIN_PRESETS re-exported)
-from minimal_asymloop.flops import check_fits, count_params, flops_per_token
+from minimal_asymloop.flops import check_fits, count_params, flops_per_token, train_flops_per_token
 from minimal_asymloop.loss import compute_loss
 from minimal_asymloop.metrics import (  # noqa: F401 (re-exported)
     NonFiniteLossError,
@@ -154,6 +154,7 @@ class Run:
     t_log: float = 0.0  # when the first pending step started
     compiled: bool = False  # the step runs torch.compile'd (compile_and_wrap decides)
     saves: int = 0  # checkpoints this process wrote
+    depth_sampler: depth.DepthSampler = None  # K per optimizer step (--depth-sampler; fixed: the model's n_iter)
 
     @property
     def master(self) -> bool:
@@ -171,6 +172,12 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
                           f"pick a micro_batch that divides global_batch/world_size={cfg.global_batch / world:g}")
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}; set --max-seq-len {cfg.seq_len}")
+    try:  # seeded alike on every rank: the same K everywhere without a broadcast
+        depths = depth.DepthSampler(cfg.depth_sampler, model_cfg.n_iter, cfg.depth_min, cfg.depth_max, cfg.depth_mean,
+                                     cfg.depth_cap, cfg.seed)
+        depth.check_model(model_cfg, depths, cfg.backprop_depth)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     check_fits(model_cfg, device)  # --n-layer 1000000: refused with its size now, not an allocator error after data preparation
     found = None
@@ -197,7 +204,8 @@ def set_up(model_cfg: ModelConfig, cfg: TrainConfig, lr_hook) -> Run:
     # fused: one kernel per step, and it can skip a non-finite step on the device (optimizer_step)
     optimizer = torch.optim.AdamW(param_groups(raw, cfg.weight_decay, per_matrix), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
     run = Run(model_cfg, cfg, rank, world, device, dtype, micro, cfg.global_batch // (micro * world), data, raw, optimizer, lr_hook,
-              Path(cfg.out_dir), tqdm.write if rank == 0 and not cfg.quiet else (lambda *a, **k: None), scaler=grad_scaler(device, dtype))
+              Path(cfg.out_dir), tqdm.write if rank == 0 and not cfg.quiet else (lambda *a, **k: None), scaler=grad_scaler(device, dtype),
+              depth_sampler=depths)
     if run.master:
         check_out_dir(run.out_dir)
     if cfg.resume:
@@ -238,6 +246,8 @@ def resume(run: Run, meta: dict, state: dict):
     if run.lr_hook is not None:
         run.lr_hook.load_state_dict(state["lr_hook"])
     restore_rng(state["rng"], run.device)
+    if state.get("depth") is not None:  # the depth sampler's generator continues where it stopped
+        run.depth_sampler.load_state_dict(state["depth"])
     if run.scaler.is_enabled() and state.get("grad_scaler"):  # fp16: the loss scale and its growth count continue
         run.scaler.load_state_dict(state["grad_scaler"])
     run.step, run.best_val, run.skipped = state["step"], state["best_val_loss"], state.get("nonfinite_skipped", 0)
@@ -288,6 +298,11 @@ def describe(run: Run):
             f"{run.world}), {total} steps = {total * tokens_per_step / 1e6:.1f}M tokens ({total * tokens_per_step / n_params:.2f} "
             f"tokens/param); {run.device} {str(run.dtype).removeprefix('torch.')}{' with loss scaling' if run.scaler.is_enabled() else ''}"
             f"{' compiled' if run.compiled else ''}")
+    if cfg.depth_sampler != "fixed" or cfg.backprop_depth:
+        flops = train_flops_per_token(mc, cfg.seq_len, run.depth_sampler.pmf(), cfg.backprop_depth)
+        run.say(f"depth: {run.depth_sampler.describe()}; backprop through "
+                f"{f'the last {cfg.backprop_depth}' if cfg.backprop_depth else 'every'} iteration(s); {flops / 1e6:.1f} MFLOPs/token "
+                f"training, averaged over K (validation runs at the model's K={mc.n_iter})")
     if isinstance(run.lr_hook, alrs.ALRS):
         run.say(run.lr_hook.describe(run.raw))
     run.say(f"data: {run.data.meta['n_train_tokens']:,} train / {run.data.meta['n_val_tokens']:,} val tokens; "
@@ -308,7 +323,9 @@ def optimizer_step(run: Run, step: int, flag: dict) -> bool:
     lr = lr_at(step, cfg)
     for g in run.optimizer.param_groups:
         g["lr"] = lr * g["lr_mult"]
-    ce_sum, aux_sum = accumulate_gradients(run, step)
+    k = run.depth_sampler.draw()  # this step's K: one draw per optimizer step, the same for every micro-batch and rank
+    extra = {**(extra or {}), "n_iter": k}
+    ce_sum, aux_sum = accumulate_gradients(run, step, k)
     run.scaler.unscale_(run.optimizer)  # fp16: true gradients before clipping (a no-op for bf16 and fp32)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.grad_clip)
     # one small all-reduce (asynchronous on NCCL): mean loss over ranks, grad norm, and whether any rank was asked to stop
@@ -342,16 +359,19 @@ def checkpoint_due(run: Run, done: int) -> bool:
     return done % cfg.eval_interval == 0 or done in (cfg.total_steps(), run.stop_at) or bool(cfg.keep_every and done % cfg.keep_every == 0)
 
 
-def accumulate_gradients(run: Run, step: int) -> tuple[torch.Tensor, dict]:
-    """Forward and backward over this rank's `accum` micro-batches of the step's global batch; (mean CE, mean aux losses)."""
+def accumulate_gradients(run: Run, step: int, k: int) -> tuple[torch.Tensor, dict]:
+    """Forward and backward over this rank's `accum` micro-batches of the step's global batch, at K = k decoder iterations;
+    (mean CE, mean aux losses)."""
     ce_sum, aux_sum, nan_steps = torch.zeros((), device=run.device), {}, _nan_steps()
+    sampled = run.cfg.depth_sampler != "fixed" or run.cfg.backprop_depth
+    depth_kw = dict(n_iter=k, backprop_depth=run.cfg.backprop_depth) if sampled else {}  # fixed: the model's own K, as before
     for m in range(run.accum):
         first = run.rank * run.micro * run.accum + m * run.micro  # this rank's rows of the global batch
         x, y = run.sampler.batch_on(step, slice(first, first + run.micro), run.device)  # pinned, non-blocking on CUDA
         # DDP: all-reduce gradients only on the last micro-step
         with nullcontext() if run.world == 1 or m == run.accum - 1 else run.model.no_sync():
             with autocast_context(run.device, run.dtype):
-                loss, ce, aux = compute_loss(run.model, x, y)  # (B, T) tokens -> scalar
+                loss, ce, aux = compute_loss(run.model, x, y, **depth_kw)  # (B, T) tokens -> scalar
             if step + 1 in nan_steps:  # test hook (NAN_ENV): a NaN loss, and so NaN gradients
                 loss, ce = loss * math.nan, ce * math.nan
             run.scaler.scale(loss / run.accum).backward()  # fp16: scaled so small gradients survive; else unchanged
@@ -391,7 +411,7 @@ def save(run: Run, val_loss: float | None, best: bool):
     state = dict(step=run.step, samples_seen=run.step * cfg.global_batch, optimizer=run.optimizer.state_dict(), best_val_loss=run.best_val,
                  rng=rng_state(run.device), lr_hook=run.lr_hook.state_dict() if run.lr_hook is not None else None,
                  nonfinite_skipped=run.skipped, wandb_id=run.wandb.id if run.wandb is not None else run.wandb_id,
-                 grad_scaler=run.scaler.state_dict(), overflow_skipped=run.overflow_skipped)
+                 grad_scaler=run.scaler.state_dict(), overflow_skipped=run.overflow_skipped, depth=run.depth_sampler.state_dict())
     meta = dict(model_config=run.model_cfg.to_dict(), train_config=asdict(cfg), params=count_params(run.model_cfg),
                 data=dict(source=cfg.data, identity=data.meta["identity"], tokenizer=data.meta["tokenizer"], vocab_size=data.vocab_size,
                           unigram_entropy=data.unigram_entropy),

@@ -13,7 +13,7 @@ FLOORS = {
     "paths": 0, "system": 0, "sources": 0, "alrs": 0, "gsm8k": 0,
     # 1: the model with its kernels, decoding and FLOP count; the data; metrics, probes and the run-folder lock
     "kernels": 1, "generate": 1, "model": 1, "flops": 1, "data": 1, "metrics": 1, "probes": 1, "runfolder": 1, "loss": 1, "batches": 1,
-    "integrity": 1,
+    "integrity": 1, "depth": 1,
     # 2: training: its configs and presets, the optimizer, checkpoints, the trainer and the small-task trainer;
     # the transformers wrapper and the files of its export
     "config": 2, "optim": 2, "checkpoint": 2, "trainer": 2, "tasks": 2, "hf": 2, "hf_files": 2,

@@ -83,10 +83,11 @@ from minimal_asymloop.experiments.lm import (
     run_lm,
     train_config,
 )
+from minimal_asymloop.experiments.sampled_depth import sampled_depth
 from minimal_asymloop.paths import REPO, RESULTS
 
 EXPERIMENTS = {"matched_depth": matched_depth, "global_kv": global_kv, "chain_task": chain_task, "chain_context": chain_context,
-               "alrs": alrs_experiment, "depth_demo": depth_demo}
+                "alrs": alrs_experiment, "depth_demo": depth_demo, "sampled_depth": sampled_depth}
 SETTINGS = ("STEPS", "STEPS_SET", "SEEDS", "SEEDS_SET", "CACHED_ONLY", "FRESH")  # the run settings main() sets
 
 

@@ -1,0 +1,107 @@
+"""Figures and a table for train-once-run-at-any-depth (experiments.sampled_depth's results JSON):
+
+    result = json.loads((RESULTS / "sampled_depth.json").read_text())
+    fig_test_k(result)      # loss (LM) and accuracy by hops (chain) against test-time K, one curve per training recipe
+    fig_frontier(result)    # the adaptive exit rule: loss against mean iterations per token, one curve per recipe
+    within_seed(result)     # each sampled recipe minus fixed K=3 at every test-time K, per seed
+"""
+
+import numpy as np
+from matplotlib.figure import Figure
+
+LABELS = {"fixed_k3": "fixed K=3 (the paper)", "lognormal_k3": "log-normal Poisson, E[K]=3 (Huginn)",
+          "uniform_k1_5": "uniform K in 1..5"}
+
+
+def runs_of(result: dict, task: str) -> dict[str, list[dict]]:
+    """{recipe: [run per seed, in seed order]} of one task ("lm" or "chain")."""
+    out = {}
+    for r in sorted((r for r in result["runs"] if r["task"] == task), key=lambda r: r["seed"]):
+        out.setdefault(r["recipe"], []).append(r)
+    return out
+
+
+def _band(ax, x, ys, label):
+    """Each seed as a thin line and the median over seeds as a thick one: one seed stuck on a plateau stays visible and
+    does not drag the summary, as a mean would."""
+    ys = np.array(ys)
+    line, = ax.plot(x, np.median(ys, 0), "o-", lw=2, label=f"{LABELS.get(label, label)}: median of {len(ys)} seeds")
+    for y in ys:
+        ax.plot(x, y, "-", lw=0.8, alpha=0.4, color=line.get_color())
+
+
+def fig_test_k(result: dict, hops: str = "3") -> Figure:
+    """Left: LM cross-entropy against test-time K; right: chain-task accuracy on `hops`-hop chains against test-time K.
+    Median over seeds, thin lines each seed; the dotted line is the K every recipe averages in training."""
+    fig = Figure(figsize=(11, 4))
+    lm_ax, ch_ax = fig.subplots(1, 2)
+    for recipe, runs in runs_of(result, "lm").items():
+        ks = [r["k"] for r in runs[0]["sweep"]["fixed"]]
+        _band(lm_ax, ks, [[r["ce"] for r in run["sweep"]["fixed"]] for run in runs], recipe)
+    for recipe, runs in runs_of(result, "chain").items():
+        ks = [r["k"] for r in runs[0]["sweep"]["fixed"]]
+        _band(ch_ax, ks, [[r["acc_by_hops"][hops] for r in run["sweep"]["fixed"]] for run in runs], recipe)
+    lm_ax.set(title="Tiny LM: held-out loss vs test-time depth", xlabel="test-time K (decoder iterations)",
+              ylabel="cross-entropy (nats/token)")
+    ch_ax.set(title=f"Chain task: {hops}-hop accuracy vs test-time depth", xlabel="test-time K (decoder iterations)",
+              ylabel=f"accuracy on {hops}-hop statements", ylim=(0, 1.02))  # the whole range: a plateau near 0.5 is guessing
+    for ax in (lm_ax, ch_ax):
+        ax.axvline(3, ls=":", c="gray")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def fig_frontier(result: dict, task: str = "lm") -> Figure:
+    """The adaptive exit rule's frontier per recipe (median over seeds): cross-entropy against mean decoder iterations per
+    token, each threshold a point, beside fixed K = 1..8 (dashed)."""
+    fig = Figure(figsize=(6.5, 4.2))
+    ax = fig.subplots()
+    for recipe, runs in runs_of(result, task).items():
+        ada = np.median([[(r["mean_iter"], r["ce"]) for r in run["sweep"]["adaptive"]] for run in runs], 0)
+        fix = np.median([[(r["mean_iter"], r["ce"]) for r in run["sweep"]["fixed"]] for run in runs], 0)
+        line, = ax.plot(*ada.T, "o-", label=f"{LABELS.get(recipe, recipe)}: adaptive exit")
+        ax.plot(*fix.T, "x--", c=line.get_color(), alpha=0.6, label=f"{LABELS.get(recipe, recipe)}: fixed K")
+    ax.set(title=f"{'Tiny LM' if task == 'lm' else 'Chain task'}: adaptive exit frontier by training recipe (median of seeds)",
+           xlabel="mean decoder iterations per token", ylabel="cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def within_seed(result: dict, task: str = "lm", metric: str = "ce") -> dict[str, dict]:
+    """{recipe: {"k": [...], "diff": [[per seed]...]}}: the recipe's `metric` minus fixed K=3's at each test-time K, for the
+    seeds both have (within-seed: same init and data order)."""
+    runs = runs_of(result, task)
+    base = {r["seed"]: r for r in runs.get("fixed_k3", [])}
+    out = {}
+    for recipe, rs in runs.items():
+        if recipe == "fixed_k3":
+            continue
+        pairs = [(r, base[r["seed"]]) for r in rs if r["seed"] in base]
+        if pairs:
+            out[recipe] = dict(k=[row["k"] for row in pairs[0][0]["sweep"]["fixed"]], seeds=[r["seed"] for r, _ in pairs],
+                               diff=[[a[metric] - b[metric] for a, b in zip(r["sweep"]["fixed"], f["sweep"]["fixed"])]
+                                     for r, f in pairs])
+    return out
+
+
+def beats_fixed(result: dict, task: str = "lm", budget: float = 3.0) -> dict[str, list[dict]]:
+    """Per recipe and seed: the adaptive threshold with the lowest cross-entropy at <= `budget` mean iterations per token,
+    against the fixed-K=3 model run at K=3 (same seed). `gain` < 0: that threshold beats the paper's recipe at equal or
+    lower compute."""
+    runs = runs_of(result, task)
+    base = {r["seed"]: next(x for x in r["sweep"]["fixed"] if x["k"] == 3) for r in runs.get("fixed_k3", [])}
+    out = {}
+    for recipe, rs in runs.items():
+        for r in rs:
+            if r["seed"] not in base:
+                continue
+            ok = [a for a in r["sweep"]["adaptive"] if a["mean_iter"] <= budget + 1e-9]
+            best = min(ok, key=lambda a: a["ce"]) if ok else None
+            out.setdefault(recipe, []).append(dict(seed=r["seed"], tau=best and best["tau"], mean_iter=best and best["mean_iter"],
+                                                   ce=best and best["ce"], fixed_k3_ce=base[r["seed"]]["ce"],
+                                                   gain=best and best["ce"] - base[r["seed"]]["ce"]))
+    return out
