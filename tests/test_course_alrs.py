@@ -4,6 +4,7 @@ numbers as notebooks/results/alrs.json holds them."""
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from minimal_asymloop import alrs
@@ -60,3 +61,18 @@ def test_sweep_table_prints_every_run():
     assert len(text.splitlines()) == 1 + len({(r["arm"], r["lr"]) for r in RES["runs"]})
     r = RES["runs"][0]
     assert any(line.split()[:2] == [r["arm"], f"{r['lr']:.3g}"] and f"{r['val_loss']:.4f}" in line for line in text.splitlines())
+
+
+def test_pipeline_figure_and_live_hooks():
+    fig = C.pipeline_figure()
+    assert "ALRS" in fig.axes[0].get_title() and any("TOP_NAMES" in t.get_text() for t in fig.axes[0].texts)
+
+    class Cfg:  # the TrainConfig fields the hooks read
+        alrs_hi, alrs_lo, alrs_fit, alrs_every, alrs_phase, alrs_ramp = 5.0, 1.0, "ww", 10, 0.2, 5
+
+    schedule = {"alrs_every": 10, "alrs_ramp": 5, "alrs_phase": 0.2}
+    assert C.live_hook("uniform", Cfg, schedule, 250) is None
+    assert isinstance(C.live_hook("uniform_top", Cfg, schedule, 250), ex.PinnedTop)
+    assert isinstance(C.live_hook("alrs_unpinned", Cfg, schedule, 250), alrs.ALRS)
+    with pytest.raises(ValueError, match="unknown arm 'adam'"):
+        C.live_hook("adam", Cfg, schedule, 250)

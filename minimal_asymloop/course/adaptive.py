@@ -30,18 +30,31 @@ def exit_gap(run: dict, tau: float) -> float:
     return it["3"] - it["1"]
 
 
-def cheaper_and_as_good(adaptive: list[dict], ref: dict, metric: str, higher_is_better: bool) -> list[float]:
-    """Thresholds τ > 0 whose `metric` is at least as good as `ref`'s for fewer FLOPs than `ref`."""
-    good = (lambda r: r[metric] >= ref[metric]) if higher_is_better else (lambda r: r[metric] <= ref[metric])
-    return [r["tau"] for r in adaptive if r["tau"] > 0 and good(r) and r["flops_vs_max"] < ref["flops_vs_max"]]
+def as_good(a: dict, b: dict, metric: str, n: int | None = None) -> bool:
+    """Is sweep row `a` at least as good as row `b` in `metric`? Accuracy ("acc") on `n` scored answers allows one
+    binomial standard error of the difference, sqrt((p_a(1-p_a) + p_b(1-p_b)) / n); CE ("ce") has no stored
+    per-token losses, hence no standard error, and is compared exactly."""
+    if metric == "acc":
+        tol = 0.0 if n is None else ((a["acc"] * (1 - a["acc"]) + b["acc"] * (1 - b["acc"])) / n) ** 0.5
+        return a["acc"] >= b["acc"] - tol
+    if metric == "ce":
+        return a["ce"] <= b["ce"]
+    raise ValueError(f"metric must be 'acc' or 'ce', got {metric!r}")
 
 
-def beaten_by_fixed(lm: dict, x: str = "mean_iter") -> dict[float, int | None]:
-    """{τ: the smallest fixed K that is at least as good in CE for no more `x` (None: no fixed depth beats τ)}, τ > 0."""
+def cheaper_and_as_good(adaptive: list[dict], ref: dict, metric: str, n: int | None = None) -> list[float]:
+    """Thresholds τ > 0 as good as `ref` in `metric` (see `as_good`) for fewer FLOPs than `ref`."""
+    return [r["tau"] for r in adaptive if r["tau"] > 0 and as_good(r, ref, metric, n)
+            and r["flops_vs_max"] < ref["flops_vs_max"]]
+
+
+def beaten_by_fixed(sweep: dict, x: str = "mean_iter", metric: str = "ce", n: int | None = None) -> dict:
+    """{τ: the smallest fixed K as good as τ in `metric` (see `as_good`) for no more `x` (None: no fixed depth)}, τ > 0.
+    `sweep` is the LM's or one chain seed's dict with "fixed" and "adaptive" rows."""
     out = {}
-    for r in lm["adaptive"]:
+    for r in sweep["adaptive"]:
         if r["tau"] > 0:
-            ks = [f["k"] for f in lm["fixed"] if f["ce"] <= r["ce"] and f[x] <= r[x]]
+            ks = [f["k"] for f in sweep["fixed"] if as_good(f, r, metric, n) and f[x] <= r[x]]
             out[r["tau"]] = min(ks) if ks else None
     return out
 
@@ -75,9 +88,13 @@ def plot_lm(lm: dict) -> Figure:
     return fig
 
 
-def plot_chain(runs: list[dict]) -> Figure:
+def plot_chain(runs: list[dict], n3: int) -> Figure:
     """Left: answers' mean exit iteration by hop count against τ, one marker per seed. Right: 3-hop accuracy
-    against FLOPs, fixed K (solid) and adaptive (dashed)."""
+    against FLOPs, fixed K (solid) and adaptive (dashed), with one binomial standard error on `n3` answers."""
+
+    def se(rows):
+        return [(r["acc_by_hops"]["3"] * (1 - r["acc_by_hops"]["3"]) / n3) ** 0.5 for r in rows]
+
     fig = Figure(figsize=(10, 4.4))
     axes = fig.subplots(1, 2)
     for run, m in zip(runs, MARKERS):
@@ -86,17 +103,18 @@ def plot_chain(runs: list[dict]) -> Figure:
             axes[0].plot([r["tau"] for r in ad], [r["iter_by_hops"][h] for r in ad], m, ls="-", lw=0.8, color=color,
                          alpha=0.8, label=f"{h}-hop" if run is runs[0] else None)
         fx = run["fixed"]
-        axes[1].plot([r["flops_vs_max"] for r in fx], [r["acc_by_hops"]["3"] for r in fx], m + "-", color="k", alpha=0.7,
-                     label=f"fixed K = 1..{run['max_iter']}" if run is runs[0] else None)
-        axes[1].plot([r["flops_vs_max"] for r in ad], [r["acc_by_hops"]["3"] for r in ad], m + "--", color="C1",
-                     alpha=0.8, label="adaptive, τ > 0" if run is runs[0] else None)
+        axes[1].errorbar([r["flops_vs_max"] for r in fx], [r["acc_by_hops"]["3"] for r in fx], se(fx), fmt=m + "-",
+                         color="k", alpha=0.7, capsize=2, label=f"fixed K = 1..{run['max_iter']}" if run is runs[0] else None)
+        axes[1].errorbar([r["flops_vs_max"] for r in ad], [r["acc_by_hops"]["3"] for r in ad], se(ad), fmt=m + "--",
+                         color="C1", alpha=0.8, capsize=2, label="adaptive, τ > 0" if run is runs[0] else None)
     seeds = ", ".join(f"{run['seed']} {m}" for run, m in zip(runs, ("●", "■", "▲")))
     axes[0].set(xscale="log", xlabel="exit threshold τ (KL, nats)", ylabel="mean exit iteration of the answers",
                 title=f"Harder answers stop later\n(seeds {seeds})")
     axes[0].legend()
     k1 = runs[0]["fixed"][0]["acc_by_hops"]["3"]
     axes[1].set(xlabel=f"forward FLOPs per token (/ fixed K={runs[0]['max_iter']})", ylabel="3-hop accuracy",
-                ylim=(0.93, 1.003), title=f"3-hop accuracy against compute\n(fixed K=1: {k1:.2f}, chance with 4 values; below the axis)")
+                ylim=(0.93, 1.003), title=f"3-hop accuracy against compute (bars: ±1 s.e., {n3} answers)\n"
+                      f"(fixed K=1: {k1:.2f}, chance with 4 values; below the axis)")
     axes[1].legend(loc="lower right")
     for ax in axes:
         ax.grid(alpha=0.3)

@@ -10,6 +10,49 @@ ARM_LABELS = {"uniform": "uniform LR", "alrs": "ALRS", "alrs_unpinned": "ALRS, e
 SRANK_GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN")
 
 
+# the live runs of notebook 05 match the 30 study runs made by an earlier trainer version up to this step (see the
+# notebook's run-time notes); the 3 `uniform_top` runs, made by the current trainer, match at every logged step
+EXACT_THROUGH = 25
+
+
+def live_hook(arm: str, cfg_t, schedule: dict, total_steps: int):
+    """The `lr_hook` that makes arm `arm` from a TrainConfig: None for the arms the trainer builds itself
+    (uniform, alrs, alrs_hill), `PinnedTop` for uniform_top, ALRS without pinning for alrs_unpinned."""
+    from minimal_asymloop import alrs
+    from minimal_asymloop.experiments import PinnedTop
+
+    if arm == "uniform_top":
+        return PinnedTop(cfg_t.alrs_hi, schedule["alrs_ramp"])
+    if arm == "alrs_unpinned":
+        return alrs.ALRS(total_steps, cfg_t.alrs_fit, cfg_t.alrs_lo, cfg_t.alrs_hi, cfg_t.alrs_every, cfg_t.alrs_phase,
+                         cfg_t.alrs_ramp, top=())
+    if arm in ("uniform", "alrs", "alrs_hill"):
+        return None
+    raise ValueError(f"unknown arm {arm!r}; choose from uniform, alrs, alrs_hill, alrs_unpinned, uniform_top")
+
+
+def pipeline_figure() -> Figure:
+    """ALRS in one picture: a matrix's spectrum -> its alpha -> a multiplier in [lo, hi] -> its learning rate; the
+    embedding and head skip the fit and get the top multiplier."""
+    fig = Figure(figsize=(11, 3.0))
+    ax = fig.subplots()
+    ax.set(xlim=(0, 11), ylim=(0, 3), title="ALRS: each weight matrix's learning rate from its spectrum")
+    ax.axis("off")
+    steps = ["encoder/decoder\nweight matrix W", "eigenvalues of WᵀW\n(its spectrum)", "power-law tail fit:\nalpha",
+             "multiplier m in [1, 5],\nlinear in alpha\n(model min → max)", "LR of W =\nbase LR × m\n(ramped, then frozen)"]
+    for i, text in enumerate(steps):
+        x = 0.2 + i * 2.2
+        ax.text(x + 0.9, 2.0, text, ha="center", va="center", fontsize=9,
+                bbox=dict(boxstyle="round", fc="#DCEAF7" if i < 4 else "#D5F0D5", ec="k"))
+        if i:
+            ax.annotate("", xy=(x + 0.05, 2.0), xytext=(x - 0.45, 2.0), arrowprops=dict(arrowstyle="->"))
+    ax.text(6.6, 0.5, "embedding and head: no fit, m = 5 (He et al.'s code, alrs.TOP_NAMES);\ntheir alphas stay out of the min/max: their "
+            "vocabulary-sized spectra\nwould otherwise set every other matrix's range",
+            ha="center", va="center", fontsize=9, bbox=dict(boxstyle="round", fc="#F7E3C8", ec="k"))
+    ax.annotate("", xy=(9.9, 1.5), xytext=(9.9, 0.8), arrowprops=dict(arrowstyle="->"))
+    return fig
+
+
 def runs_of(res: dict, arm: str, lr: float | None = None) -> dict[int, dict]:
     """{seed: run} of `arm` at base LR `lr` (None: any LR)."""
     return {r["seed"]: r for r in res["runs"] if r["arm"] == arm and (lr is None or r["lr"] == lr)}
@@ -109,17 +152,18 @@ def plot_controls(res: dict) -> Figure:
     labels = []
     for i, (label, (arm, lr)) in enumerate(control_arms(res).items()):
         d = within_seed(res, arm, lr)
-        ax.bar(i, d.mean(), color="C3" if d.mean() < 0 else "C0", alpha=0.5,
-               label={True: "mean below uniform (better)", False: "mean above uniform (worse)"}[bool(d.mean() < 0)])
+        ax.bar(i, d.mean(), color="C2" if d.mean() < 0 else "0.6", alpha=0.6,
+               label={True: "mean below uniform (lower loss: better)", False: "mean above uniform (worse)"}[bool(d.mean() < 0)])
         ax.plot([i] * len(d), d, "ko", ms=5, label="one seed" if i == 0 else None)
         labels.append(f"{label}\n(base LR {lr:g})".replace(", ", ",\n", 1))
     ax.axhline(0, color="k", lw=1)
     ax.set_xticks(range(len(labels)), labels, fontsize=9)
     ax.set(xlabel="arm (the base LR it ran at)", ylabel="val loss − uniform at its best\n(nats/token, within seed)",
-           title="The arms that pin embedding and head at 5× beat uniform LR in every seed; the other two do not")
+           title="The three arms that pin embedding and head at 5× beat uniform LR in every seed;\n"
+                 "the uniformly higher LR and unpinned ALRS do not")
     handles, names = ax.get_legend_handles_labels()
     keep = {n: h for h, n in zip(handles, names)}  # one entry per label
-    ax.legend(keep.values(), keep.keys(), fontsize=9, loc="upper left")
+    ax.legend(keep.values(), keep.keys(), fontsize=9, loc="upper right")
     fig.tight_layout()
     return fig
 
