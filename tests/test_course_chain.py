@@ -76,3 +76,14 @@ def test_no_local_claims_fail_on_the_untrained_no_local_model(ctx):
     init = chain.untrained_lookups(ctx, seed=0, name="asymloop_k3_no_local")
     _, qhops = chain.lookups(ctx, {})
     assert not chain.lookup_claims(init, qhops, local=False)
+
+
+def test_lookup_figure_names_both_uniform_references(ctx):
+    # both halves: uniform per half; without Local KV: uniform on Global only; two legend entries, two values
+    _, qhops = chain.lookups(ctx, {})
+    look = {("asymloop_k3", 0): chain.untrained_lookups(ctx, 0, "asymloop_k3"),
+            ("asymloop_k3_no_local", 0): chain.untrained_lookups(ctx, 0, "asymloop_k3_no_local")}
+    labels = [t.get_text() for t in chain.plot_lookups(look, qhops).legends[0].get_texts()]
+    u = chain.uniform_share(qhops)
+    assert f"uniform, one statement: {u / 2:.2f} per half" in labels
+    assert f"uniform, one statement: {u:.2f} (Global only)" in labels

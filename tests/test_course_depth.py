@@ -69,3 +69,13 @@ def test_k5_without_global_kv_is_table_4a(runs, capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "asymloop_k5_no_global" in x)
     assert f"Table 4a {math.log(25.751 / 24.619):+.3f}" in line  # the paper has this run: Table 4a, K=5
+
+
+def test_a_model_keeps_its_colour_across_figures(runs):
+    # the logit-lens figure and the training-gap figure draw the same model in the same colour
+    lens = depth.plot_lens(runs, ["full_loop_k2", "asymloop_k3_additive"]).axes[0]
+    gaps = depth.plot_gaps(runs, ["asymloop_k3_additive", "full_loop_k2"]).axes[0]
+    colour = {line.get_label(): line.get_color() for line in gaps.get_lines()}
+    for n in ("full_loop_k2", "asymloop_k3_additive"):
+        drawn = [h for h in lens.get_legend_handles_labels()[0] if h.get_label().startswith(n)][0]
+        assert drawn.lines[0].get_color() == colour[n] == depth.COLOR[n], n

@@ -141,7 +141,8 @@ def plot_test_depth(grid: ChainRuns, names) -> Figure:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylabel("3-hop accuracy, held-out programs")
     axes[1].legend(handles=handles, fontsize=9, loc="lower right")
-    fig.suptitle("Solved runs need their trained iterations and keep the answer past them; iterating on rescues no failed run")
+    fig.suptitle("Solved runs need more than one iteration, not the number they were trained with; "
+                 "iterating on rescues no failed run")
     fig.tight_layout()
     return fig
 
@@ -368,11 +369,13 @@ def plot_lookups(look: dict, qhops) -> Figure:
         for (j, half), (color, ls, lab) in style.items():
             ax.plot(its, b[:, j, half], ls, marker="o", ms=4, color=color, label=lab)
         both = key[0] == "asymloop_k3"  # uniform attention over every visible key: per half, or all on Global
-        ax.axhline(u / 2 if both else u, color="0.5", ls=":", lw=1.2, label="uniform attention, one statement")
+        ax.axhline(u / 2 if both else u, color="0.5" if both else "k", ls=":", lw=1.2,
+                   label=f"uniform, one statement: {u / 2:.2f} per half" if both else f"uniform, one statement: {u:.2f} (Global only)")
         ax.set_title(f"{'both halves' if key[0] == 'asymloop_k3' else 'without Local KV'}\nseed {key[1]}", fontsize=10)
         ax.set(xticks=its, xlabel="iteration", ylim=(0, 0.85))
     axes[0].set_ylabel("share of attention\n(mean over heads)")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=9)
+    handles = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}  # both uniform lines
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=6, fontsize=8)
     fig.suptitle("3-hop queries: without Local KV iteration k looks k statements back; with it, iteration 2 looks at "
                  "j=1 again, via Local", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))

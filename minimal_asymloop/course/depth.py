@@ -138,6 +138,13 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
     return fig
 
 
+# one colour per model in every figure; additive injection dashed
+COLOR = {"asymloop_k1": "tab:blue", "asymloop_k3": "tab:orange", "asymloop_k5": "tab:green", "full_loop_k2": "tab:red",
+         "full_loop_k3": "tab:purple", "asymloop_k3_additive": "tab:brown", "asymloop_k5_additive": "tab:pink",
+         "asymloop_k3_no_global": "tab:gray", "asymloop_k3_no_local": "tab:olive", "asymloop_k5_no_global": "tab:cyan",
+         "asymloop_k5_no_local": "darkolivegreen", "asymloop_k1_no_local": "gold", "dense": "k"}
+
+
 def lens_names(runs: LMRuns):
     return [n for n in ("asymloop_k1", "asymloop_k3", "asymloop_k5", "full_loop_k2", "full_loop_k3") if runs.have(n)]
 
@@ -152,11 +159,12 @@ def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
     for j, n in enumerate(names):
         c, k = runs.lens(n), runs.n_iter(n)
         off = 0.04 * (j - len(names) / 2)
-        ax.errorbar(ks + off, c.mean(0), yerr=c.std(0, ddof=1), marker="o" if "asym" in n else "^", color=f"C{j}",
+        ax.errorbar(ks + off, c.mean(0), yerr=c.std(0, ddof=1), marker="o" if "asym" in n else "^", color=COLOR[n],
                     ls="--" if "additive" in n else "-", capsize=3, label=f"{n} (trained K={k})")
-        ax.plot([k + off], [c.mean(0)[k - 1]], "*", color=f"C{j}", ms=16, mec="k")
+        ax.plot([k + off], [c.mean(0)[k - 1]], "*", color=COLOR[n], ms=16, mec="k")
     ref = "" if init is None else f"; untrained: {np.mean(init):.2f} at every k, off this scale"
-    ax.set(xlabel="iteration k whose state the head reads (★: the trained K)", ylabel="loss, held-out windows (nats/token)",
+    ax.set(xlabel="iteration k whose state the head reads (★: the trained K)\n"
+                  "one iteration runs 2 blocks in AsymLoop, 4 in Full Loop", ylabel="loss, held-out windows (nats/token)",
            title=f"Each trained iteration lowers the loss; past the trained K it rises, except with additive injection\n"
                  f"(mean ± std over {len(runs.seeds)} seeds, {runs.tpp:.1f} tokens/param{ref})")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -226,7 +234,8 @@ def plot_gaps(runs: LMRuns, names, ref="asymloop_k3", window=20) -> Figure:
     for ax, s in zip(axes, runs.seeds):
         base = smooth(ref, s)
         for j, n in enumerate(names):
-            ax.plot(np.arange(window, window + len(base)), smooth(n, s) - base, color=f"C{j + 1}", label=n)
+            ax.plot(np.arange(window, window + len(base)), smooth(n, s) - base, color=COLOR[n], label=n,
+                    ls="--" if "additive" in n else "-", lw=2.4 if "no_global" in n else 1.4, zorder=3 - j)
         ax.axhline(0, color="0.6", lw=0.8)
         ax.set(xlabel="training step", title=f"seed {s}")
     axes[0].set_ylabel(f"training loss − {ref}'s\n(nats/token)")
