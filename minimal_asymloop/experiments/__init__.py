@@ -1,7 +1,8 @@
 """Longer experiments behind the notebooks, precomputed on a CPU into small JSON files.
 
     python -m minimal_asymloop.experiments all            # every experiment (CPU-hours; the notebooks print each cost)
-    python -m minimal_asymloop.experiments matched_depth  # one of: matched_depth, global_kv, chain_task, chain_context, alrs
+    python -m minimal_asymloop.experiments matched_depth  # one of: matched_depth, global_kv, chain_task, chain_context, alrs,
+                                                          # depth_demo, sampled_depth
     python -m minimal_asymloop.experiments --list
 
 Results go to notebooks/results/<name>.json, which the notebooks plot. All LM runs share one tiny setting
@@ -11,9 +12,11 @@ EVERY model (as in the paper's context-access study), so architectures differ on
 Every arm runs at seeds 0, 1, 2, compared within a seed (same init seed, same data order).
 
 chain_task trains small models on a synthetic task that needs depth (tasks.ChainTask) until converged or a step limit, and
-chain_context compares context access on it at matched depth; alrs is
-the ALRS study of notebook 02, each with a setting of its own. One module per family: lm.py (matched_depth,
-global_kv), chain.py (chain_task, chain_context), alrs_study.py (alrs), common.py (run settings, reuse of finished and committed runs).
+chain_context compares context access on it at matched depth; depth_demo is notebook 00's K = 1 against K = 3 on
+that task at a short budget; alrs is the ALRS study of notebook 05; sampled_depth compares fixed K = 3 with sampled K
+(--depth-sampler) on the tiny LM and the chain task; each has a setting of its own. One module per family: lm.py
+(matched_depth, global_kv), chain.py (chain_task, chain_context), depth_demo.py, alrs_study.py (alrs), sampled_depth.py,
+common.py (run settings, reuse of finished and committed runs).
 
 Runs committed in notebooks/results/*.json at the same setting are reused as they are, so a fresh clone trains only
 what is missing (an added arm, a new seed); --fresh trains everything again. Runs finished locally are cached in

@@ -1,4 +1,4 @@
-"""The ALRS study of notebook 02, fairly: a base-LR sweep for uniform LR and for ALRS, then controls at the best LRs
+"""The ALRS study of notebook 05, fairly: a base-LR sweep for uniform LR and for ALRS, then controls at the best LRs
 (the uniform LR scaled by ALRS's mean multiplier, embedding/head unpinned, the hill_median fit, and uniform LR with
 only embedding and head at ALRS's top multiplier), at >= 3 seeds each.
 """
