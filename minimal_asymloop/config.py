@@ -75,10 +75,10 @@ class TrainConfig:
     # (ours) train once, run at any depth: K drawn per optimizer step, after Huginn (depth.py); fixed is the paper
     depth_sampler: str = "fixed"  # K per step: fixed (the model's n_iter) | uniform (depth_min..depth_max) | lognormal_poisson (Huginn's)
     depth_min: int = 1  # uniform: the smallest K drawn
-    depth_max: int | None = None  # uniform: the largest K drawn
-    depth_mean: float | None = None  # lognormal_poisson: the mean K (before the cap)
-    depth_cap: int | None = None  # lognormal_poisson: the largest K drawn (bounds time and memory per step)
-    backprop_depth: int | None = None  # backpropagate through the last n decoder iterations only (Huginn); None or 0 -> all K
+    depth_max: int | None = None  # uniform: the largest K drawn; None -> unset (uniform needs it)
+    depth_mean: float | None = None  # lognormal_poisson: the mean K (before the cap); None -> unset (lognormal_poisson needs it)
+    depth_cap: int | None = None  # lognormal_poisson: the largest K drawn (bounds time and memory per step); None -> unset (needed)
+    backprop_depth: int | None = None  # backpropagate through the last n decoder iterations only (Huginn); None -> all K (so does 0)
 
     def __post_init__(self):
         for name in ("seq_len", "global_batch", "eval_interval", "eval_batches", "log_interval", "ddp_timeout_s", "max_skips"):
