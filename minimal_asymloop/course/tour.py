@@ -156,7 +156,7 @@ def live_figure(runs: dict, rule: dict | None = None) -> NotebookFigure:
         ax.set_ylim(0, 1.03)
     axes[0].set_ylabel("accuracy (early-stop programs)")
     axes[0].text(0, CONVERGED - 0.07, f"converged: {CONVERGED}", color="0.4", fontsize=9)
-    axes[-1].legend(loc="lower right", fontsize=9)
+    axes[1].legend(loc="lower right", fontsize=9)  # the 2-hop panel's lower right is empty
     fig.suptitle("Live: the same model trained at K = 1 and at K = 3 (one seed)")
     fig.tight_layout()
     return fig
@@ -263,7 +263,7 @@ def test_time_figure(acc: dict) -> NotebookFigure:
     ax.text(3.05, 0.6, "trained K", color="0.4")
     ax.set_xticks(ks)
     ax.set_xlabel("iterations k at test time (effective depth 1 + k)")
-    ax.set_ylabel("accuracy on held-out programs")
+    ax.set_ylabel("accuracy on fresh programs")
     ax.set_ylim(0, 1.03)
     ax.set_title("The same trained weights: 3 hops need the iterations")
     ax.legend(fontsize=8, loc="lower right", ncol=2)
