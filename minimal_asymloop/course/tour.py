@@ -156,7 +156,7 @@ def live_figure(runs: dict, rule: dict | None = None) -> NotebookFigure:
         ax.set_ylim(0, 1.03)
     axes[0].set_ylabel("accuracy (early-stop programs)")
     axes[0].text(0, CONVERGED - 0.07, f"converged: {CONVERGED}", color="0.4", fontsize=9)
-    axes[1].legend(loc="lower right", fontsize=9)  # the 2-hop panel's lower right is empty
+    axes[0].legend(loc="lower right", fontsize=9)  # the 1-hop panel's lower right is empty
     fig.suptitle("Live: the same model trained at K = 1 and at K = 3 (one seed)")
     fig.tight_layout()
     return fig
@@ -196,7 +196,8 @@ def _dots(ax, x, accs, steps, color):
         xj = x + 0.08 * (j - (len(accs) - 1) / 2)
         ax.scatter([xj], [a], s=40, zorder=2, color=color if s else "white", edgecolor=color, lw=1.5)
         if s:
-            ax.annotate(f"{s:,}", (xj, a), (4, -12 + 9 * (j % 3)), textcoords="offset points", fontsize=7, color=color)
+            ax.annotate(f"{s:,}", (xj, a), (0, -13 - 9 * (j % 2)), textcoords="offset points", fontsize=7, color=color,
+                        ha="center")
 
 
 def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookFigure:
