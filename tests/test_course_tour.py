@@ -1,5 +1,7 @@
 """Notebook 00's tables and figures (course.tour) and its closing demo (experiments.depth_demo)."""
 
+import importlib
+
 import pytest
 import torch
 from matplotlib.figure import Figure
@@ -53,25 +55,32 @@ def test_demo_models_share_initial_weights_across_k():
     assert not all(torch.equal(a[n], c[n]) for n in a)  # another seed, other weights
 
 
-def _fake_result(deep_k1, deep_k3, steps=100):
+def _fake_result(fresh_k1, fresh_k3, steps_k3):
     runs = []
-    for k, accs in ((1, deep_k1), (3, deep_k3)):
-        for seed, a in enumerate(accs):
-            runs.append(dict(n_iter=k, seed=seed, curve=[(0, {"1": 0.3, "2": 0.3, "3": 0.3}), (steps, {"1": 1.0, "2": a, "3": a})]))
-    return dict(setting=dict(steps=steps), runs=runs)
+    for k, accs, steps in ((1, fresh_k1, [None] * len(fresh_k1)), (3, fresh_k3, steps_k3)):
+        for seed, (a, s) in enumerate(zip(accs, steps)):
+            runs.append(dict(n_iter=k, seed=seed, converged_at=s, curve=[(0, {"1": 0.3, "2": 0.3, "3": 0.3}),
+                                                                         (100, {"1": 1.0, "2": a, "3": a})],
+                             fresh={"1": 1.0, "2": a, "3": a}))
+    return dict(setting=dict(steps=1000), runs=runs)
 
 
-def test_final_accuracy_is_per_k_in_seed_order():
-    res = _fake_result([0.5, 0.6], [0.95, 0.4])
+def test_final_accuracy_and_steps_are_per_k_in_seed_order():
+    res = _fake_result([0.5, 0.6], [0.995, 0.4], [750, None])
     res["runs"].reverse()
-    assert tour.final_accuracy(res, hops=3) == {1: [0.5, 0.6], 3: [0.95, 0.4]}
+    assert tour.final_accuracy(res, hops=3) == {1: [0.5, 0.6], 3: [0.995, 0.4]}
+    assert tour.demo_steps(res) == {1: [None, None], 3: [750, None]}
 
 
-def test_figures_build_and_count_solved_seeds():
+def _chain(accs):
+    return {"asymloop_k1": [(a, 6000, False) for a in accs], "asymloop_k3": [(1.0, 750, True) for _ in accs]}
+
+
+def test_figures_build_and_count_converged_seeds():
     assert isinstance(tour.architectures_figure(), Figure)
-    res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995])
-    fig = tour.seeds_figure(res)
-    assert fig._suptitle.get_text().startswith("3-hop chains solved (accuracy ≥ 0.9) in 4/5 seeds at K = 3, 0/5 at K = 1")
+    res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995], [500, 750, None, None, 1000])
+    fig = tour.seeds_figure(res, _chain([0.5] * 5))
+    assert fig._suptitle.get_text().startswith("K = 3 converges in 3/5 seeds within 1,000 steps, K = 1 in 0/5")
     live = {k: dict(curve=r["curve"]) for k, r in ((1, res["runs"][0]), (3, res["runs"][5]))}
     assert len(tour.live_figure(live).axes) == 3
 
@@ -81,7 +90,40 @@ def test_trained_chain_model_names_the_committed_seeds():
         tour.trained_chain_model(2)
 
 
-def test_chain_seeds_reads_k1_and_k3_in_seed_order():
-    runs = [dict(name=f"asymloop_k{k}", seed=s, n_iter=k, acc_by_test_k={str(k): {"3": s / 10 + k}}) for s in (1, 0) for k in (1, 3)]
-    runs.append(dict(name="dense_l4", seed=0, n_iter=1, acc_by_test_k={"1": {"3": 9.0}}))
-    assert tour.chain_seeds(dict(runs=runs)) == {1: [1.0, 1.1], 3: [3.0, 3.1]}
+def test_chain_seeds_reads_each_arm_in_seed_order():
+    runs = [dict(name=f"asymloop_k{k}", seed=s, n_iter=k, steps=100 * s + k, converged=k == 3,
+                 acc_by_test_k={str(k): {"3": s / 10 + k}}) for s in (1, 0) for k in (1, 3)]
+    runs.append(dict(name="dense_l4", seed=0, n_iter=1, steps=1, converged=True, acc_by_test_k={"1": {"3": 9.0}}))
+    assert tour.chain_seeds(dict(runs=runs), names=("asymloop_k1", "asymloop_k3")) == {
+        "asymloop_k1": [(1.0, 1, False), (1.1, 101, False)], "asymloop_k3": [(3.0, 3, True), (3.1, 103, True)]}
+
+
+def test_executed_blocks_counts_what_runs():
+    """Hooks count E + K·D blocks and D Global KV projections at any K; Full Loop K·L blocks and none."""
+    def cfg(arch, k):
+        return ModelConfig(arch=arch, n_layer=4, n_iter=k, d_model=16, n_head=2, d_ff=32, vocab_size=8, max_seq_len=8)
+    assert tour.executed_blocks(cfg("asymloop", 3)) == {"blocks": 8, "global_kv": 2}
+    assert tour.executed_blocks(cfg("asymloop", 3), n_iter=1) == {"blocks": 4, "global_kv": 2}
+    assert tour.executed_blocks(cfg("full_loop", 2)) == {"blocks": 8, "global_kv": 0}
+
+
+def test_forward_excerpt_is_the_running_source_without_the_additive_branch():
+    text = tour.forward_excerpt()
+    assert "self.global_kv(h, start, cache)" in text and "return self.head(self.norm(z))" in text
+    assert "z = z + h" not in text and "for k in range(n_iter)" in text
+
+
+def test_demo_trains_with_chain_tasks_schedule_and_stops_at_its_budget(monkeypatch):
+    """The LR schedule runs over chain_task's 6,000 steps (warm-up 600), cut at the budget: not a schedule of `steps`."""
+    dd = importlib.import_module("minimal_asymloop.experiments.depth_demo")  # the module (the package exports its function)
+    seen = {}
+    real = dd.train_on_task
+
+    def spy(model, task, **kw):
+        seen.update(kw)
+        return real(model, task, **kw)
+
+    monkeypatch.setattr(dd, "train_on_task", spy)
+    run, _ = dd.demo_train(1, seed=0, steps=10)
+    assert seen["steps"] == 6000 and run["steps"] == 10 and run["converged_at"] is None
+    assert [s for s, _ in run["curve"]] == [0, 10] and set(run["fresh"]) == {"1", "2", "3"}

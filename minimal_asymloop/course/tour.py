@@ -2,11 +2,17 @@
 Table 10 reproduced from the package's own counts, and the live and precomputed results of the depth demo
 (experiments.depth_demo: AsymLoop K = 1 against K = 3 on binding chains)."""
 
+import inspect
+from collections import Counter
+
+import torch
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from minimal_asymloop.course.draw import NotebookFigure
+from minimal_asymloop.course.draw import COLORS, NotebookFigure
 from minimal_asymloop.flops import count_params, flops_per_token
-from minimal_asymloop.model import ModelConfig
+from minimal_asymloop.model import Block, LoopedLM, ModelConfig
+
+CONVERGED = 0.99  # a run has converged when every hop count is at least this accurate (experiments.chain)
 
 # The paper's Table 9 (Appendix D.1): forward GFLOPs per input position at N = 1024, V = 32128, Full Loop K = 2 and
 # AsymLoop K = 3; then the additional cost of AsymLoop in % of Full Loop: Global KV projections, global attention, total
@@ -55,7 +61,7 @@ def _stack(ax, x, names, colors, title, loop=None, global_kv=None):
     w, hgt = 1.6, 0.55
     ys = [0.9 + i * 0.75 for i in range(len(names))]
     for y, name, c in zip(ys, names, colors):
-        ax.add_patch(Rectangle((x - w / 2, y), w, hgt, facecolor=c, edgecolor="k"))
+        ax.add_patch(Rectangle((x - w / 2, y), w, hgt, facecolor=c, alpha=0.55, edgecolor="k"))
         ax.text(x, y + hgt / 2, name, ha="center", va="center", fontsize=11)
     ax.text(x, 0.35, "embed(x)", ha="center", fontsize=11)
     ax.text(x, ys[-1] + hgt + 0.35, "norm → head", ha="center", fontsize=11)
@@ -64,14 +70,15 @@ def _stack(ax, x, names, colors, title, loop=None, global_kv=None):
     if loop:
         a, b, label = loop
         ax.add_patch(FancyArrowPatch((x + w / 2, ys[b] + hgt / 2), (x + w / 2, ys[a] + hgt / 2),
-                                     connectionstyle="arc3,rad=-0.6", arrowstyle="->", mutation_scale=15, lw=2, color="C3"))
-        ax.text(x + w / 2 + 0.8, (ys[a] + ys[b] + hgt) / 2, label, color="C3", fontsize=12, va="center")
+                                     connectionstyle="arc3,rad=-0.6", arrowstyle="->", mutation_scale=15, lw=2, color=COLORS["loop"]))
+        ax.text(x + w / 2 + 0.8, (ys[a] + ys[b] + hgt) / 2, label, color=COLORS["loop"], fontsize=12, va="center")
     if global_kv:
         src, dsts = global_kv
+        gkv = COLORS["global_kv"]
         for d in dsts:
             ax.add_patch(FancyArrowPatch((x - w / 2, ys[src] + hgt), (x - w / 2, ys[d] + hgt / 2),
-                                         connectionstyle="arc3,rad=0.5", arrowstyle="->", mutation_scale=12, lw=1.5, color="C0"))
-        ax.text(x - w / 2 - 0.85, (ys[src] + ys[dsts[-1]]) / 2 + 0.3, "Global KV\n(once)", color="C0", fontsize=11, ha="center")
+                                         connectionstyle="arc3,rad=0.5", arrowstyle="->", mutation_scale=12, lw=1.5, color=gkv))
+        ax.text(x - w / 2 - 0.85, (ys[src] + ys[dsts[-1]]) / 2 + 0.3, "Global KV\n(once)", color=gkv, fontsize=11, ha="center")
     ax.text(x, -0.25, title, ha="center", fontsize=12, weight="bold")
 
 
@@ -79,7 +86,7 @@ def architectures_figure() -> NotebookFigure:
     """Dense, Full Loop and AsymLoop on four physical blocks, with their effective depths."""
     fig = NotebookFigure(figsize=(10, 5.5))
     ax = fig.subplots()
-    grey, enc, dec = "0.85", "#9ecae1", "#fdae6b"
+    grey, enc, dec = "0.8", COLORS["encoder"], COLORS["loop"]  # the colours of course.draw's figure
     _stack(ax, 1.5, [f"block {i}" for i in range(4)], [grey] * 4, "Dense (L=4)\neffective depth 4")
     _stack(ax, 5.0, [f"block {i}" for i in range(4)], [grey] * 4, "Full Loop (L=4, K=2)\neffective depth K·L = 8",
            loop=(0, 3, "× K"))
@@ -88,62 +95,141 @@ def architectures_figure() -> NotebookFigure:
     ax.set_xlim(-0.5, 11.5)
     ax.set_ylim(-0.8, 4.9)
     ax.axis("off")
-    ax.set_title("Four physical blocks, three ways to run them\n(arrows: data flow; red: weight-tied loop; blue: Global KV)")
+    ax.set_title("Four physical blocks, three ways to run them\n"
+                 "(arrows: data flow; green: weight-tied loop; orange: Global KV, computed once)")
     return fig
 
 
-def live_figure(runs: dict) -> NotebookFigure:
-    """Accuracy by hop count during training, one panel per hop count, one line per K (the live demo)."""
+def forward_excerpt() -> str:
+    """The AsymLoop path of LoopedLM.states, then LoopedLM.logits, printed from the package's source; the lines of the
+    additive-injection ablation (its `z = z + h`) are left out, every other line is as it runs."""
+    src = inspect.getsource(LoopedLM.states)
+    lines = src[src.index("        for i, blk in enumerate(self.encoder)"):].splitlines()
+    keep = [ln for i, ln in enumerate(lines) if '"additive":' not in ln and '"additive":' not in lines[i - 1]]
+    return "\n".join(keep) + "\n\n" + inspect.getsource(LoopedLM.logits)
+
+
+def executed_blocks(cfg: ModelConfig, n_iter: int | None = None) -> dict:
+    """Count, with forward hooks, the transformer blocks and the Global KV projections (wk_glob) that one forward
+    pass of a model built from cfg executes."""
+    model, calls = LoopedLM(cfg).eval(), {"blocks": 0, "global_kv": 0}
+    for name, m in model.named_modules():
+        key = "blocks" if isinstance(m, Block) else "global_kv" if name.endswith("wk_glob") else None
+        if key:
+            m.register_forward_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
+    model(torch.zeros(1, 4, dtype=torch.long), n_iter=n_iter)
+    return calls
+
+
+def frequency_rule(task, n: int = 1024, seed: int = 4321) -> dict[int, float]:
+    """{hops: accuracy} of a rule that follows no chain: a statement `x=y` gets the value assigned most often so far in
+    its program (ties: the earliest), `x=3` gets 3; on n programs from the generator seed."""
+    g, right = torch.Generator().manual_seed(seed), {}
+    for _ in range(n):
+        text, values, hops = task.program(g)
+        seen = Counter()
+        for stmt, value, h in zip(filter(None, text.split(";")), values, hops):
+            rhs = stmt.split("=")[1]
+            if rhs.isdigit():  # a literal: 1 hop, its own value
+                guess, seen[rhs] = rhs, seen[rhs] + 1
+            else:
+                guess = seen.most_common(1)[0][0]  # a chain's first statement is a literal, so `seen` is not empty
+            right.setdefault(h, []).append(guess == value)
+    return {h: sum(r) / len(r) for h, r in sorted(right.items())}
+
+
+def live_figure(runs: dict, rule: dict | None = None) -> NotebookFigure:
+    """Accuracy by hop count during training, one panel per hop count, one line per K (the live demo); rule: the
+    {hops: accuracy} of frequency_rule, drawn as a dashed line."""
     hops = sorted(int(h) for h in next(iter(runs.values()))["curve"][0][1])
     fig = NotebookFigure(figsize=(11, 3.6))
     axes = fig.subplots(1, len(hops), sharey=True)
     for ax, h in zip(axes, hops):
-        for j, (k, run) in enumerate(sorted(runs.items())):
-            ax.plot([s for s, _ in run["curve"]], [a[str(h)] for _, a in run["curve"]], "o-", ms=3, color=f"C{j}",
+        for k, run in sorted(runs.items()):
+            ax.plot([s for s, _ in run["curve"]], [a[str(h)] for _, a in run["curve"]], "o-", ms=3, color=K_COLORS[k],
                     label=f"K = {k} (effective depth {1 + k})")
+        ax.axhline(CONVERGED, color="0.5", ls=":", lw=1)
+        if rule:
+            ax.axhline(rule[h], color="0.3", ls="--", lw=1, label="no-chain rule: most frequent value so far")
         ax.set_title(f"{h}-hop statements")
         ax.set_xlabel("optimizer step")
         ax.set_ylim(0, 1.03)
-    axes[0].set_ylabel("accuracy on held-out programs")
-    axes[-1].legend(loc="lower right", fontsize=9)
+    axes[0].set_ylabel("accuracy (early-stop programs)")
+    axes[0].text(0, CONVERGED - 0.07, f"converged: {CONVERGED}", color="0.4", fontsize=9)
+    axes[0].legend(loc="lower right", fontsize=9)  # the 1-hop panel's lower right is empty
+    fig.suptitle("Live: the same model trained at K = 1 and at K = 3 (one seed)")
+    fig.tight_layout()
     return fig
 
 
-def final_accuracy(result: dict, hops: int) -> dict[int, list[float]]:
-    """{K: [accuracy at `hops` after the last step, one per seed, in seed order]} of a depth_demo result."""
+K_COLORS = {1: "C0", 2: "C2", 3: "C1"}
+
+
+def demo_steps(result: dict) -> dict[int, list]:
+    """{K: [steps to converge (None: not within the budget), one per seed, in seed order]} of a depth_demo result."""
     out = {}
     for run in sorted(result["runs"], key=lambda r: (r["n_iter"], r["seed"])):
-        out.setdefault(run["n_iter"], []).append(run["curve"][-1][1][str(hops)])
+        out.setdefault(run["n_iter"], []).append(run["converged_at"])
     return out
 
 
-def seeds_figure(result: dict, solved: float = 0.9) -> NotebookFigure:
-    """One dot per seed: final accuracy by hop count at K = 1 and K = 3, each seed's two runs joined by a line."""
-    hops = sorted(int(h) for h in result["runs"][0]["curve"][0][1])
-    fig = NotebookFigure(figsize=(11, 4.2))
-    axes = fig.subplots(1, len(hops), sharey=True)
-    for ax, h in zip(axes, hops):
-        acc = final_accuracy(result, h)
-        ks = sorted(acc)
-        for s in range(len(acc[ks[0]])):
-            ax.plot(range(len(ks)), [acc[k][s] for k in ks], "-", color="0.75", lw=1, zorder=1)
-        for j, k in enumerate(ks):
-            ax.scatter([j] * len(acc[k]), acc[k], color=f"C{j}", zorder=2, s=30)
-            ax.text(j, -0.12, f"{sum(a >= solved for a in acc[k])}/{len(acc[k])} ≥ {solved}", ha="center", fontsize=9,
-                    transform=ax.get_xaxis_transform())
-        init = [r["curve"][0][1][str(h)] for r in result["runs"]]  # the untrained models (step 0)
-        ax.axhline(sum(init) / len(init), color="0.4", ls=":", lw=1, label="untrained (mean of all runs)")
-        ax.set_xticks(range(len(ks)), [f"K = {k}" for k in ks])
-        ax.set_xlim(-0.5, len(ks) - 0.5)
-        ax.set_title(f"{h}-hop statements")
-        ax.set_ylim(0, 1.03)
-    axes[0].set_ylabel(f"accuracy after {result['setting']['steps']} steps")
-    axes[0].legend(loc="lower left", fontsize=9)
-    deep = final_accuracy(result, hops[-1])
-    fig.suptitle(f"{hops[-1]}-hop chains solved (accuracy ≥ {solved}) in {sum(a >= solved for a in deep[max(deep)])}/"
-                 f"{len(deep[max(deep)])} seeds at K = {max(deep)}, {sum(a >= solved for a in deep[min(deep)])}/"
-                 f"{len(deep[min(deep)])} at K = {min(deep)}\n"
-                 "(one dot per seed; a line joins a seed's two runs: one random init, the same data)")
+def final_accuracy(result: dict, hops: int) -> dict[int, list[float]]:
+    """{K: [accuracy at `hops` on fresh programs after the run, one per seed, in seed order]} of a depth_demo result."""
+    out = {}
+    for run in sorted(result["runs"], key=lambda r: (r["n_iter"], r["seed"])):
+        out.setdefault(run["n_iter"], []).append(run["fresh"][str(hops)])
+    return out
+
+
+def chain_seeds(result: dict, names=("asymloop_k1", "asymloop_k3", "full_loop_k2"), hops: int = 3) -> dict[str, list]:
+    """{arm: [(final `hops` accuracy, steps, converged) per seed, in seed order]} of chain_task.json's arms."""
+    out = {n: [] for n in names}
+    for r in sorted(result["runs"], key=lambda r: r["seed"]):
+        if r["name"] in out:
+            out[r["name"]].append((r["acc_by_test_k"][str(r["n_iter"])][str(hops)], r["steps"], r["converged"]))
+    return out
+
+
+def _dots(ax, x, accs, steps, color):
+    """One dot per seed at x (filled: converged), its steps to converge printed beside it."""
+    for j, (a, s) in enumerate(zip(accs, steps)):
+        xj = x + 0.08 * (j - (len(accs) - 1) / 2)
+        ax.scatter([xj], [a], s=40, zorder=2, color=color if s else "white", edgecolor=color, lw=1.5)
+        if s:
+            ax.annotate(f"{s:,}", (xj, a), (0, -13 - 9 * (j % 2)), textcoords="offset points", fontsize=7, color=color,
+                        ha="center")
+
+
+def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookFigure:
+    """Left: depth_demo's 5 seeds at K = 1 and K = 3 (3-hop accuracy on fresh programs after at most the demo's budget).
+    Right: chain_task's runs of up to 6,000 steps at effective depth 2 and 4, Full Loop K = 2 beside AsymLoop K = 3."""
+    fig = NotebookFigure(figsize=(11, 4.4))
+    left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[2, 3]))
+    acc, steps = final_accuracy(demo, 3), demo_steps(demo)
+    for i, k in enumerate(sorted(acc)):
+        _dots(left, i, acc[k], steps[k], K_COLORS[k])
+    init = [r["curve"][0][1]["3"] for r in demo["runs"]]  # the untrained models (step 0)
+    for ax in (left, right):
+        ax.axhline(sum(init) / len(init), color="0.4", ls=":", lw=1, label="untrained (depth_demo's mean)")
+        if rule:
+            ax.axhline(rule[3], color="0.3", ls="--", lw=1, label="no-chain rule: most frequent value so far")
+    left.set_xticks(range(len(acc)), [f"AsymLoop K = {k}\n(depth {1 + k})" for k in sorted(acc)])
+    left.set_title(f"depth_demo: at most {demo['setting']['steps']:,} steps")
+    left.set_ylabel("3-hop accuracy at the end of the run")
+    right.legend(loc="lower right", fontsize=8, framealpha=1)
+    labels = {"asymloop_k1": ("AsymLoop K = 1\n(depth 2)", K_COLORS[1]), "asymloop_k3": ("AsymLoop K = 3\n(depth 4)", K_COLORS[3]),
+              "full_loop_k2": ("Full Loop L = 2, K = 2\n(depth 4)", "C4")}
+    for i, (name, runs) in enumerate(chain.items()):
+        _dots(right, i, [a for a, _, _ in runs], [s if c else None for _, s, c in runs], labels[name][1])
+    right.set_xticks(range(len(chain)), [labels[n][0] for n in chain])
+    right.set_title("chain_task: at most 6,000 steps")
+    for ax in (left, right):
+        ax.set_xlim(-0.5, ax.get_xticks()[-1] + 0.5)
+        ax.set_ylim(0, 1.05)
+    n3, n1 = (sum(s is not None for s in steps[k]) for k in (3, 1))
+    fig.suptitle(f"K = 3 converges in {n3}/{len(steps[3])} seeds within {demo['setting']['steps']:,} steps, K = 1 in "
+                 f"{n1}/{len(steps[1])}\n(one dot per seed; filled: converged, every hop count ≥ {CONVERGED}, "
+                 "with its steps to converge)")
     fig.tight_layout()
     return fig
 
@@ -175,21 +261,12 @@ def test_time_figure(acc: dict) -> NotebookFigure:
         ax.plot(ks, [by_k[k][3] for k in ks], "o-", color=f"C{j}", label=f"seed {seed}: 3 hops")
         ax.plot(ks, [by_k[k][2] for k in ks], "s--", color=f"C{j}", alpha=0.5, ms=4, label=f"seed {seed}: 2 hops")
     ax.axvline(3, color="0.5", ls=":", lw=1)
-    ax.text(3.05, 0.05, "trained K", color="0.4")
+    ax.text(3.05, 0.6, "trained K", color="0.4")
     ax.set_xticks(ks)
     ax.set_xlabel("iterations k at test time (effective depth 1 + k)")
-    ax.set_ylabel("accuracy on held-out programs")
+    ax.set_ylabel("accuracy on fresh programs")
     ax.set_ylim(0, 1.03)
     ax.set_title("The same trained weights: 3 hops need the iterations")
     ax.legend(fontsize=8, loc="lower right", ncol=2)
     fig.tight_layout()
     return fig
-
-
-def chain_seeds(result: dict, hops: int = 3) -> dict[int, list[float]]:
-    """{K: [final `hops` accuracy per seed]} of the AsymLoop K = 1 and K = 3 runs of chain_task.json."""
-    out = {}
-    for r in sorted(result["runs"], key=lambda r: r["seed"]):
-        if r["name"] in ("asymloop_k1", "asymloop_k3"):
-            out.setdefault(r["n_iter"], []).append(r["acc_by_test_k"][str(r["n_iter"])][str(hops)])
-    return out
