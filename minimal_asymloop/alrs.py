@@ -24,7 +24,7 @@ FITS = ("ww", "hill_median")
 EVALS_THRESH = 1e-5  # eigenvalues at or below this count as zero (weightwatcher's cut, its fit_powerlaw's `thresh`)
 MIN_EVALS = 50  # matrices with fewer eigenvalues are not tuned
 # Embedding and head always get the top multiplier, as in the reference code. (ours) Their alphas are
-# logged but kept out of the min/max: vocabulary-sized spectra would otherwise set everyone's range.
+# logged but kept out of the min/max: their multiplier is pinned, so they take no part in the interpolation.
 TOP_NAMES = ("embed.weight", "head.weight")
 GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN", "global KV",
           "attention", "FFN", "embedding/head")  # "attention"/"FFN": the `blocks` of dense and full_loop

@@ -46,8 +46,8 @@ def pipeline_figure() -> Figure:
                 bbox=dict(boxstyle="round", fc="#DCEAF7" if i < 4 else "#D5F0D5", ec="k"))
         if i:
             ax.annotate("", xy=(x + 0.05, 2.0), xytext=(x - 0.45, 2.0), arrowprops=dict(arrowstyle="->"))
-    ax.text(6.6, 0.5, "embedding and head: no fit, m = 5 (He et al.'s code, alrs.TOP_NAMES);\ntheir alphas stay out of the min/max: their "
-            "vocabulary-sized spectra\nwould otherwise set every other matrix's range",
+    ax.text(6.6, 0.5, "embedding and head: m = 5 whatever their alpha (He et al.'s code, alrs.TOP_NAMES);\n"
+            "their alphas are logged but kept out of the min/max (ours),\nso they do not move the other matrices' range",
             ha="center", va="center", fontsize=9, bbox=dict(boxstyle="round", fc="#F7E3C8", ec="k"))
     ax.annotate("", xy=(9.9, 1.5), xytext=(9.9, 0.8), arrowprops=dict(arrowstyle="->"))
     return fig
