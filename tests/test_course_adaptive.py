@@ -59,3 +59,22 @@ def test_beaten_by_fixed_on_the_chain_counts_noise():
     assert C.beaten_by_fixed(seed3, "flops_vs_max", "acc")[0.01] == 3  # exact: K=2 (4 wrong) loses to 3 wrong
     seed0 = RES["chain"]["runs"][0]
     assert C.beaten_by_fixed(seed0, "flops_vs_max", "acc", n=2048)[0.3] is None  # between K=2 and K=3
+
+
+def test_train_more_scores_before_and_after_and_records_the_drawn_k():
+    from minimal_asymloop import adaptive
+    from minimal_asymloop.course import sampled_depth as SD
+    from minimal_asymloop.depth import DepthSampler
+
+    model = adaptive.chain_model(RESULTS / "chain_weights" / "asymloop_k3-s1.safetensors")
+    batch = adaptive.chain_batch()
+    seed1 = RES["chain"]["runs"][1]
+    assert seed1["seed"] == 1
+    out = SD.train_more(model, {"fixed": DepthSampler("fixed", 3), "uniform": DepthSampler("uniform", 3, 1, 5, seed=0)},
+                        2, batch)
+    # before: the committed sweep's 3-hop accuracy at K = 1..6 (the same 256 programs)
+    assert [round(a, 3) for a in out["before"]["acc"][:6]] == [round(r["acc_by_hops"]["3"], 3) for r in seed1["fixed"]]
+    assert out["fixed"]["drawn"] == {3: 2} and sum(out["uniform"]["drawn"].values()) == 2
+    assert set(out["uniform"]["drawn"]) <= {1, 2, 3, 4, 5} and out["uniform"]["acc"] != out["before"]["acc"]
+    fig = SD.fig_live(out, 2)
+    assert fig.axes[0].get_title() and fig.axes[0].get_xlabel() and len(fig.axes[0].get_legend().get_texts()) == 3

@@ -4,6 +4,7 @@
     fig_test_k(result)      # loss (LM) and accuracy by hops (chain) against test-time K, one curve per training recipe
     fig_frontier(result)    # the adaptive exit rule: loss against mean iterations per token, one curve per recipe
     within_seed(result)     # each sampled recipe minus fixed K=3 at every test-time K, per seed
+    train_more(model, samplers, steps, batch)  # notebook 04's live run: a trained chain model given more steps per sampler
 """
 
 import numpy as np
@@ -30,7 +31,7 @@ def _band(ax, x, ys, label):
         ax.plot(x, y, "-", lw=0.8, alpha=0.4, color=line.get_color())
 
 
-def fig_test_k(result: dict, hops: str = "3") -> Figure:
+def fig_test_k(result: dict, hops: str = "3", title: str | None = None) -> Figure:
     """Left: LM cross-entropy against test-time K; right: chain-task accuracy on `hops`-hop chains against test-time K.
     Median over seeds, thin lines each seed; the dotted line is the K every recipe averages in training."""
     fig = Figure(figsize=(11, 4))
@@ -49,11 +50,13 @@ def fig_test_k(result: dict, hops: str = "3") -> Figure:
         ax.axvline(3, ls=":", c="gray")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     return fig
 
 
-def fig_frontier(result: dict, task: str = "lm") -> Figure:
+def fig_frontier(result: dict, task: str = "lm", title: str | None = None) -> Figure:
     """The adaptive exit rule's frontier per recipe (median over seeds): cross-entropy against mean decoder iterations per
     token, each threshold a point, beside fixed K = 1..8 (dashed)."""
     fig = Figure(figsize=(6.5, 4.2))
@@ -63,7 +66,7 @@ def fig_frontier(result: dict, task: str = "lm") -> Figure:
         fix = np.median([[(r["mean_iter"], r["ce"]) for r in run["sweep"]["fixed"]] for run in runs], 0)
         line, = ax.plot(*ada.T, "o-", label=f"{LABELS.get(recipe, recipe)}: adaptive exit")
         ax.plot(*fix.T, "x--", c=line.get_color(), alpha=0.6, label=f"{LABELS.get(recipe, recipe)}: fixed K")
-    ax.set(title=f"{'Tiny LM' if task == 'lm' else 'Chain task'}: adaptive exit frontier by training recipe (median of seeds)",
+    ax.set(title=title or f"{'Tiny LM' if task == 'lm' else 'Chain task'}: adaptive exit frontier by training recipe (median of seeds)",
            xlabel="mean decoder iterations per token", ylabel="cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -105,3 +108,74 @@ def beats_fixed(result: dict, task: str = "lm", budget: float = 3.0) -> dict[str
                                                    ce=best and best["ce"], fixed_k3_ce=base[r["seed"]]["ce"],
                                                    gain=best and best["ce"] - base[r["seed"]]["ce"]))
     return out
+
+
+def accuracy_by_k(model, batch, hops: int = 3, max_k: int = 8) -> list[float]:
+    """Accuracy on the `hops`-hop answers of a chain batch (idx, targets, hops) at test-time K = 1..max_k (one forward:
+    the head on each z_k)."""
+    import torch
+
+    idx, targets, hop = batch
+    scored = (targets >= 0) & (hop == hops)
+    with torch.no_grad():
+        return [(model.logits(z).argmax(-1) == targets)[scored].float().mean().item() for z in model.states(idx, max_k)]
+
+
+class _Recorded:
+    """A depth sampler that keeps every K it draws (train_on_task only calls `draw`)."""
+
+    def __init__(self, depth):
+        self.depth, self.ks = depth, []
+
+    def draw(self) -> int:
+        self.ks.append(self.depth.draw())
+        return self.ks[-1]
+
+
+def train_more(model, samplers: dict, steps: int, batch, lr: float = 3e-3, seed: int = 0) -> dict[str, dict]:
+    """For each {name: depth.DepthSampler}: a copy of the trained chain `model` given `steps` more steps of the chain
+    task (the same programs in the same order for every sampler), then scored at test-time K = 1..8.
+    Returns {name: {"acc": 3-hop accuracy by K, "drawn": {K: steps}, "cpu_s": CPU seconds}}, "before" first."""
+    import copy
+    import time
+    from collections import Counter
+
+    import torch
+
+    from minimal_asymloop.experiments.chain import CHAIN_TASK
+    from minimal_asymloop.tasks import ChainTask, train_on_task
+
+    model, batch = copy.deepcopy(model).cpu(), [t.cpu() for t in batch]  # the task's batches are made on the CPU
+    out = {"before": dict(acc=accuracy_by_k(model, batch), drawn={}, cpu_s=0.0)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (ours) a model this small runs as fast on one thread, and a second one spins on a busy CPU
+    try:
+        for name, depth in samplers.items():
+            m, rec, t0 = copy.deepcopy(model), _Recorded(depth), time.process_time()
+            train_on_task(m, ChainTask(**CHAIN_TASK), steps=steps, lr=lr, seed=seed, depth=rec)
+            out[name] = dict(acc=accuracy_by_k(m.eval(), batch), drawn=dict(sorted(Counter(rec.ks).items())),
+                             cpu_s=time.process_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def fig_live(curves: dict, steps: int) -> Figure:
+    """3-hop accuracy against test-time K: the trained model before, and after `steps` more steps per sampler."""
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    styles = {"before": dict(c="0.5", ls=":", marker="x")}
+    for j, (name, c) in enumerate(curves.items()):
+        ks = range(1, len(c["acc"]) + 1)
+        label = "trained at fixed K=3 (committed weights)" if name == "before" else f"+ {steps} steps, {name}"
+        ax.plot(ks, c["acc"], **styles.get(name, dict(c=f"C{j}", marker="o")), label=label)
+    ax.axvline(3, ls="-", c="0.85", lw=3, zorder=0)
+    ax.text(3.08, 0.05, "trained K", color="0.4", fontsize=8)
+    ax.axhline(0.25, ls="--", c="0.7", lw=1)
+    ax.text(8, 0.27, "chance (4 values)", ha="right", color="0.4", fontsize=8)
+    ax.set(xlabel="test-time K (decoder iterations)", ylabel="accuracy on 3-hop answers", ylim=(0, 1.03),
+           title="Drawing K per step lifts K = 1; past K = 3 both are fine")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
