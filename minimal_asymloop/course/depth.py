@@ -122,8 +122,11 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
         depth = [runs.runs[(n, runs.seeds[0])]["effective_depth"] for n in names]
         y = np.array([runs.loss(n) for n in names])
         ax.errorbar(depth, y.mean(1), yerr=y.std(1, ddof=1), color=color, marker=marker, capsize=4, label=arch)
+    deep = min(runs.loss(n).mean() for b, a in PAIRS[1:] for n in (b, a) if runs.have(n))
+    shallow = max(runs.loss(n).mean() for n in PAIRS[0] if runs.have(n))
     ax.set(xlabel="effective depth (blocks per token)", ylabel="validation loss (nats/token)",
-           title=f"Validation loss at {runs.tpp:.1f} tokens/param\n(mean ± std over {len(runs.seeds)} seeds)")
+           title=f"At {runs.tpp:.1f} tokens/param, depth 8 and 12 {'are all' if deep > shallow else 'are not all'} "
+                 f"behind depth 4\n(on the mean; mean ± std over {len(runs.seeds)} seeds)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend()
     ax = axes[1]
@@ -137,8 +140,9 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
                 label="paper, Table 3 (recipe not stated)" if i == 0 else None)
     ax.axhline(0, color="0.6", lw=0.8)
     ax.set_xticks(range(len(diffs)), [f"{a}\n− {b}" for b, a in diffs], fontsize=9)
-    ax.set(xlim=(-0.5, len(diffs) - 0.5), ylabel="Δ validation loss (nats/token)",
-           title="AsymLoop − matched-depth baseline, within seed\n(below 0: AsymLoop better)")
+    ax.set(xlim=(-0.5, len(diffs) - 0.5), ylabel="AsymLoop − baseline, within seed\n(nats/token; below 0: AsymLoop better)",
+           title=f"AsymLoop is ahead of its matched baseline\nin {sum((d < 0).sum() for d in diffs.values())} of "
+                 f"{sum(len(d) for d in diffs.values())} (pair, seed) comparisons")
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     return fig
