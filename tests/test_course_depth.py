@@ -79,3 +79,49 @@ def test_a_model_keeps_its_colour_across_figures(runs):
     for n in ("full_loop_k2", "asymloop_k3_additive"):
         drawn = [h for h in lens.get_legend_handles_labels()[0] if h.get_label().startswith(n)][0]
         assert drawn.lines[0].get_color() == colour[n] == depth.COLOR[n], n
+
+
+def test_lens_from_zero_reads_h_then_the_package_lens():
+    # k = 0 is the head on H = Enc(Embed(x)) (with Global KV and without it), k >= 1 is probes.logit_lens;
+    # additive injection starts from z_0 = 0, which the bias-free head scores as a uniform guess, ln V
+    import torch
+    import torch.nn.functional as F
+
+    from minimal_asymloop import experiments as ex
+    from minimal_asymloop.model import LoopedLM
+    from minimal_asymloop.probes import logit_lens
+
+    idx = torch.randint(0, 1024, (2, 16), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(idx, -1, 1)
+    for context in ("global_kv", "none", "additive"):
+        torch.manual_seed(0)
+        m = LoopedLM(ex.lm_config("asymloop", n_iter=2, context=context)).eval()
+        with torch.no_grad():
+            h = m.embed(idx)
+            for blk in m.encoder:
+                h = blk(h, m.rope)
+            z0 = torch.zeros_like(h) if context == "additive" else h
+            want0 = F.cross_entropy(m.logits(z0).flatten(0, 1), targets.flatten()).item()
+        got = depth.lens_from_zero(m, idx, targets, n_iter=3)
+        assert got[0] == pytest.approx(want0, abs=1e-5) and got[1:] == pytest.approx(logit_lens(m, idx, targets, 3))
+        assert (got[0] == pytest.approx(math.log(1024), abs=1e-4)) == (context == "additive"), context
+
+
+def test_live_run_retraces_the_stored_runs_first_steps(runs):
+    # the live run trains the first steps of the stored 200-step schedule: its losses are the stored run's (a
+    # schedule compressed to `steps` would change the LR from the second step on)
+    live = depth.train_live(runs, steps=3, seed=0, names=("asymloop_k3",))
+    stored = [x[1] for x in runs.runs[("asymloop_k3", 0)]["train_loss"][:3]]
+    assert [x[1] for x in live["asymloop_k3"]["train_loss"]] == pytest.approx(stored, abs=1e-3)
+    with pytest.raises(ValueError, match="stored runs' schedule"):
+        depth.train_live(runs, steps=runs.setting["steps"] + 1)
+
+
+def test_live_figures_build_and_name_the_leader(runs):
+    fake = {n: dict(train_loss=runs.runs[(n, 0)]["train_loss"][:60]) for n in depth.LIVE_ARMS}
+    lens = {"asymloop_k3": [5.4, 4.9, 4.8, 4.8, 4.81], "asymloop_k3_no_global": [5.4, 5.0, 5.0, 5.0, 5.01]}
+    title = depth.plot_live_lens(lens, 60, 0).axes[0].get_title()
+    assert "with Global KV is ahead at K = 3 by 0.20" in title
+    gap = depth.plot_live_gap(runs, fake)
+    assert plt.get_fignums() == [] and len(gap.axes) == len(runs.seeds)
+    assert any(line.get_label() == "live run" for line in gap.axes[0].get_lines())

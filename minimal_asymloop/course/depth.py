@@ -4,8 +4,13 @@ table, row and recipe. Every figure is a bare matplotlib Figure (the caller's ba
 
 import json
 import math
+import shutil
+import tempfile
+import time
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -13,6 +18,7 @@ from minimal_asymloop import experiments as ex
 from minimal_asymloop.flops import count_params
 from minimal_asymloop.model import ModelConfig
 from minimal_asymloop.paths import RESULTS
+from minimal_asymloop.probes import logit_lens
 
 # The paper (Liang et al., 2026), 60M models, 1.68B tokens. Validation perplexity unless said otherwise.
 # Table 3 (matched depth). The paper states its token budget ("held fixed within each model scale", Section 4.4), not
@@ -116,8 +122,11 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
         depth = [runs.runs[(n, runs.seeds[0])]["effective_depth"] for n in names]
         y = np.array([runs.loss(n) for n in names])
         ax.errorbar(depth, y.mean(1), yerr=y.std(1, ddof=1), color=color, marker=marker, capsize=4, label=arch)
+    deep = min(runs.loss(n).mean() for b, a in PAIRS[1:] for n in (b, a) if runs.have(n))
+    shallow = max(runs.loss(n).mean() for n in PAIRS[0] if runs.have(n))
     ax.set(xlabel="effective depth (blocks per token)", ylabel="validation loss (nats/token)",
-           title=f"Validation loss at {runs.tpp:.1f} tokens/param\n(mean ± std over {len(runs.seeds)} seeds)")
+           title=f"At {runs.tpp:.1f} tokens/param, depth 8 and 12 {'are all' if deep > shallow else 'are not all'} "
+                 f"behind depth 4\n(on the mean; mean ± std over {len(runs.seeds)} seeds)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend()
     ax = axes[1]
@@ -131,8 +140,9 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
                 label="paper, Table 3 (recipe not stated)" if i == 0 else None)
     ax.axhline(0, color="0.6", lw=0.8)
     ax.set_xticks(range(len(diffs)), [f"{a}\n− {b}" for b, a in diffs], fontsize=9)
-    ax.set(xlim=(-0.5, len(diffs) - 0.5), ylabel="Δ validation loss (nats/token)",
-           title="AsymLoop − matched-depth baseline, within seed\n(below 0: AsymLoop better)")
+    ax.set(xlim=(-0.5, len(diffs) - 0.5), ylabel="AsymLoop − baseline, within seed\n(nats/token; below 0: AsymLoop better)",
+           title=f"AsymLoop is ahead of its matched baseline\nin {sum((d < 0).sum() for d in diffs.values())} of "
+                 f"{sum(len(d) for d in diffs.values())} (pair, seed) comparisons")
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     return fig
@@ -253,3 +263,91 @@ def per_seed_table(runs: LMRuns, names):
             r = runs.runs[(n, runs.seeds[0])]
             print(f"{n:>22} {r['effective_depth']:>5} {r['params'] / 1e6:>7.3f}M "
                   + " ".join(f"{x:>8.4f}" for x in runs.loss(n)) + f" {ms(runs.loss(n), '.4f'):>16}")
+
+
+# ----------------------------------------------------------------------------- the live run of section 3
+
+# AsymLoop K=3 with Global KV, and the same model without it (context="none": Local KV only, z_0 = H)
+LIVE_ARMS = {"asymloop_k3": {}, "asymloop_k3_no_global": ex.CONTEXTS["no_global"]}
+LIVE_LABEL = {"asymloop_k3": "with Global KV", "asymloop_k3_no_global": "without Global KV"}
+
+
+def train_live(runs: LMRuns, steps: int = 60, seed: int = 0, names=tuple(LIVE_ARMS)) -> dict:
+    """Train each model for the first `steps` steps of the stored runs' own schedule (same warm-up and cosine over
+    the stored runs' step count, same init seed, same batches), so its losses are the stored run's first steps.
+    Returns {name: dict(model, val_loss, train_loss, seconds, cpu_seconds)}."""
+    total = runs.setting["steps"]
+    if not 1 <= steps <= total:
+        raise ValueError(f"steps must be in 1..{total} (the stored runs' schedule), got {steps}")
+    out = {}
+    for name in names:
+        cfg = ex.lm_config("asymloop", n_iter=3, **LIVE_ARMS[name])
+        folder = tempfile.mkdtemp(prefix="asymloop-live-")  # the trainer checkpoints; the model is kept in memory
+        t0, c0 = time.time(), time.process_time()
+        try:
+            result, model = ex.train_lm(cfg, ex.train_config(total, seed, folder, stop_step=steps, eval_interval=steps))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        out[name] = dict(model=model, val_loss=result["val_loss"], seconds=time.time() - t0,
+                         cpu_seconds=time.process_time() - c0,
+                         train_loss=[(r["step"], r["loss"]) for r in result["history"] if "loss" in r])
+        print(f"{name:>22}: {steps} of {total} steps, seed {seed}: val loss {result['val_loss']:.3f} "
+              f"({out[name]['seconds']:.0f} s, {out[name]['cpu_seconds']:.0f} CPU s)")
+    return out
+
+
+@torch.no_grad()
+def lens_from_zero(model, idx, targets, n_iter: int = ex.MAX_TEST_K) -> list[float]:
+    """Loss of the head reading z_0, z_1, ..., z_n. z_0 is the decoder's start: H = Enc(Embed(x)) with Global KV and
+    without it (context="none"), 0 with additive injection."""
+    if model.config.arch != "asymloop":
+        raise ValueError(f"lens_from_zero needs arch='asymloop' (got {model.config.arch!r}): only AsymLoop has an encoder output H")
+    h = model.embed(idx)
+    for blk in model.encoder:
+        h = blk(h, model.rope)
+    z0 = torch.zeros_like(h) if model.config.context == "additive" else h
+    loss0 = F.cross_entropy(model.logits(z0).flatten(0, 1).float(), targets.flatten(), ignore_index=-1).item()
+    return [loss0] + logit_lens(model, idx, targets, n_iter)
+
+
+def plot_live_lens(lens: dict, steps: int, seed: int, n_iter: int = 3) -> Figure:
+    """The live models' lens at k = 0..8 (k = 0: the head reads H); the title says which is ahead at the trained K."""
+    fig = Figure(figsize=(8.5, 4.3))
+    ax = fig.subplots()
+    for name, curve in lens.items():
+        ax.plot(range(len(curve)), curve, "o-", color=COLOR[name], label=f"{LIVE_LABEL[name]} ({name})")
+        ax.plot([n_iter], [curve[n_iter]], "*", color=COLOR[name], ms=16, mec="k")
+    a, b = (lens[n][n_iter] for n in LIVE_ARMS)
+    ax.set(xlabel="iteration k whose state the head reads (k = 0: the encoder output H; ★: the trained K)",
+           ylabel="loss, 32 held-out windows (nats/token)",
+           title=f"After {steps} steps (seed {seed}), the model with Global KV is {'ahead' if a < b else 'behind'} at "
+                 f"K = {n_iter} by {abs(b - a):.2f} nats,\nand both predict from H alone (k = 0) worse than after "
+                 f"one iteration" if min(c[0] - c[1] for c in lens.values()) > 0 else f"Live lens after {steps} steps")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_live_gap(runs: LMRuns, live: dict, seed: int = 0, window: int = 20) -> Figure:
+    """Training loss without Global KV minus with it (K=3, same seed and batches), smoothed over `window` steps: the
+    stored runs, one panel per seed, with the live run drawn over its own seed."""
+    a, b = LIVE_ARMS
+    smooth = lambda xs: np.convolve([x[1] for x in xs], np.ones(window) / window, mode="valid")
+    fig = Figure(figsize=(11, 3.6))
+    axes = fig.subplots(1, len(runs.seeds), sharey=True)
+    final = runs.loss(b) - runs.loss(a)
+    for ax, s, d in zip(axes, runs.seeds, final):
+        gap = smooth(runs.runs[(b, s)]["train_loss"]) - smooth(runs.runs[(a, s)]["train_loss"])
+        ax.plot(np.arange(window, window + len(gap)), gap, color=COLOR[b], lw=2, label="stored run")
+        if s == seed:
+            g = smooth(live[b]["train_loss"]) - smooth(live[a]["train_loss"])
+            ax.plot(np.arange(window, window + len(g)), g, "k--", lw=1.5, label="live run")
+        ax.axhline(0, color="0.6", lw=0.8)
+        ax.set(xlabel="training step", title=f"seed {s}\nvalidation gap at step {runs.setting['steps']}: {d:+.3f}")
+    axes[0].set_ylabel("training loss without − with\nGlobal KV (nats/token)")
+    axes[min(runs.seeds.index(seed), len(axes) - 1)].legend(fontsize=9)
+    fig.suptitle(f"Without Global KV, AsymLoop K=3 ends behind in {(final > 0).sum()} of {len(final)} seeds; the live "
+                 f"run retraces its seed's first steps\n(training loss smoothed over {window} steps; above 0: behind)")
+    fig.tight_layout()
+    return fig
