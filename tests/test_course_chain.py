@@ -55,13 +55,11 @@ def test_live_title_follows_the_run():
     assert "K=1 converges" in flipped and "K=2 does not" in flipped  # the title is the run's, not hard-coded
 
 
-def test_live_figure_shows_the_committed_run_to_its_end():
-    grid = chain.ChainRuns("chain_task")
-    run = grid.run("asymloop_k1", 3)
+def test_live_figure_draws_each_variant_and_the_plateau():
     live = {"K=1 (depth 2)": [(125, {1: 0.5, 2: 0.5, 3: 0.5}), (1000, {1: 1.0, 2: 1.0, 3: 0.63})]}
-    fig = chain.plot_live(live, {"K=1 (depth 2)": run}, "t")
-    xs = max(max(line.get_xdata(), default=0) for line in fig.axes[1].get_lines())
-    assert xs == run["curve"][-1][0] > 1250  # not cut at the live run's last step
+    fig = chain.plot_live(live, "t", plateau={2: 0.62, 3: 0.51})
+    ys = [tuple(line.get_ydata()) for line in fig.axes[1].get_lines()]
+    assert (0.5, 0.63) in ys and (0.51, 0.51) in ys  # the live 3-hop curve and the 3-hop plateau
 
 
 def test_uniform_share_matches_untrained_attention(ctx):
@@ -87,3 +85,18 @@ def test_lookup_figure_names_both_uniform_references(ctx):
     u = chain.uniform_share(qhops)
     assert f"uniform, one statement: {u / 2:.2f} per half" in labels
     assert f"uniform, one statement: {u:.2f} (Global only)" in labels
+
+
+def _resolve(text, passes):  # one pass resolves every statement whose right-hand side is a digit or already resolved
+    stmts = [st.split("=") for st in text.split(";") if st]
+    known = {}
+    for _ in range(passes):
+        known = {**known, **{lhs: rhs if rhs.isdigit() else known[rhs] for lhs, rhs in stmts if rhs.isdigit() or rhs in known}}
+    return [known.get(lhs) for lhs, _ in stmts]
+
+
+def test_score_resolver_counts_passes_per_hop(ctx):
+    assert chain.score_resolver(ctx.task, _resolve, 3, n=64) == {1: 1.0, 2: 1.0, 3: 1.0}
+    assert chain.score_resolver(ctx.task, _resolve, 2, n=64) == {1: 1.0, 2: 1.0, 3: 0.0}
+    wrong = chain.score_resolver(ctx.task, lambda text, p: ["0"] * 8, 3, n=64)  # a constant answer: about 1 in 4
+    assert 0.1 < wrong[1] < 0.4

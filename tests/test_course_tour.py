@@ -68,6 +68,8 @@ def _fake_result(fresh_k1, fresh_k3, steps_k3):
 def test_final_accuracy_and_steps_are_per_k_in_seed_order():
     res = _fake_result([0.5, 0.6], [0.995, 0.4], [750, None])
     res["runs"].reverse()
+    for r in res["runs"]:  # the fresh programs' score differs: final_accuracy reads the held-out check, not it
+        r["fresh"] = {"1": 0.0, "2": 0.0, "3": 0.0}
     assert tour.final_accuracy(res, hops=3) == {1: [0.5, 0.6], 3: [0.995, 0.4]}
     assert tour.demo_steps(res) == {1: [None, None], 3: [750, None]}
 
@@ -83,6 +85,16 @@ def test_figures_build_and_count_converged_seeds():
     assert fig._suptitle.get_text().startswith("K = 3 converges in 3/5 seeds within 1,000 steps, K = 1 in 0/5")
     live = {k: dict(curve=r["curve"]) for k, r in ((1, res["runs"][0]), (3, res["runs"][5]))}
     assert len(tour.live_figure(live).axes) == 3
+
+
+def test_same_run_tells_the_stored_run_of_its_seed_from_another():
+    res = _fake_result([0.5, 0.6], [0.995, 0.4], [100, None])
+    live = dict(res["runs"][2], curve=res["runs"][2]["curve"][:1])  # K = 3, seed 0, its first check only
+    assert tour.same_run(dict(res["runs"][2]), res) and tour.same_run(dict(res["runs"][1]), res)
+    assert tour.same_run(dict(live, converged_at=None), res)  # a shorter run: a prefix of the stored one
+    assert not tour.same_run(dict(res["runs"][2], seed=1), res)  # seed 1's run did not reach 0.995
+    assert not tour.same_run(dict(res["runs"][2], converged_at=200), res)
+    assert not tour.same_run(dict(res["runs"][2], seed=7), res)  # no stored run
 
 
 def test_trained_chain_model_names_the_committed_seeds():

@@ -206,8 +206,9 @@ class _TaskOn(ChainTask):
 
 
 def train_live(setting: dict, variants: dict, seed: int, max_steps: int, device="cpu") -> dict:
-    """Train AsymLoop E=D=1 (chain_models' asymloop_k3, changed by each variant's fields) as the committed runs do
-    (same seed, programs and LR schedule), checking every 125 steps; stop at convergence or after max_steps.
+    """Train AsymLoop E=D=1 (chain_models' asymloop_k3, changed by each variant's fields) with the stored runs' recipe
+    (same seed, programs and LR schedule), checking twice as often (a check changes no weight); stop at convergence or
+    after max_steps.
     Returns {label: [(step, {hops: accuracy}), ...]}."""
     task = _TaskOn(**setting["task"])
     task.device = device
@@ -230,21 +231,16 @@ def train_live(setting: dict, variants: dict, seed: int, max_steps: int, device=
     return out
 
 
-def plot_live(live: dict, committed: dict, title: str) -> Figure:
-    """Live 2- and 3-hop accuracy per variant; `committed` {label: run dict or None} draws that run's curve dotted."""
+def plot_live(live: dict, title: str, plateau: dict | None = None) -> Figure:
+    """Live 2- and 3-hop accuracy per variant; plateau: {hops: accuracy} of the guessing level, drawn dashed."""
     fig = Figure(figsize=(11, 3.8))
     axes = fig.subplots(1, 2, sharey=True)
-    last = max(c[-1][0] for c in live.values())
     for j, (label, curve) in enumerate(live.items()):
         for ax, h in zip(axes, (2, 3)):
-            ax.plot(*zip(*[(s, a[h]) for s, a in curve]), "-o", ms=4, color=f"C{j}", label=f"{label}, live")
-            run = committed.get(label)
-            if run:  # to its end: the committed run may go on far past the live one
-                ax.plot(*zip(*[(s, a[str(h)]) for s, a in run["curve"]]), ":", lw=2, color=f"C{j}",
-                        label=f"{label}, committed run (to step {run['curve'][-1][0]:,})")
+            ax.plot(*zip(*[(s, a[h]) for s, a in curve]), "-o", ms=4, color=f"C{j}", label=label)
     for ax, h in zip(axes, (2, 3)):
-        ax.axvline(last, color="0.5", lw=0.8)
-        ax.text(last, 0.03, " live runs stop", fontsize=8, color="0.4")
+        if plateau:
+            ax.axhline(plateau[h], color="0.4", ls="--", lw=1, label="plateau (Dense L = 1, section 3)")
         ax.set(title=f"{h}-hop statements", xlabel="training step", ylim=(0, 1.05))
     axes[0].set_ylabel("accuracy, held-out programs")
     axes[1].legend(fontsize=8, loc="lower right")
@@ -272,6 +268,17 @@ def example(task: ChainTask, seed: int = 3):
     print("input :", " ".join(text))
     print("target:", " ".join(task.chars[t] if t >= 0 else "." for t in targets[0].tolist()))
     print("hops  :", " ".join(str(h) if h >= 0 else "." for h in hops[0].tolist()))
+
+
+def score_resolver(task: ChainTask, resolve, passes: int, n: int = 256, seed: int = 0) -> dict[int, float]:
+    """{hops: share of statements right} of resolve(text, passes) -> one value per statement (None: unresolved), on n
+    programs of the task from the generator seed."""
+    g, right = torch.Generator().manual_seed(seed), {}
+    for _ in range(n):
+        text, values, hops = task.program(g)
+        for got, value, h in zip(resolve(text, passes), values, hops):
+            right.setdefault(h, []).append(got == value)
+    return {h: sum(r) / len(r) for h, r in sorted(right.items())}
 
 
 def draw_chain(text: str = "a=3;x=1;b=a;c=b;") -> Figure:

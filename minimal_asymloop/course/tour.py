@@ -154,7 +154,7 @@ def live_figure(runs: dict, rule: dict | None = None) -> NotebookFigure:
         ax.set_title(f"{h}-hop statements")
         ax.set_xlabel("optimizer step")
         ax.set_ylim(0, 1.03)
-    axes[0].set_ylabel("accuracy (early-stop programs)")
+    axes[0].set_ylabel("accuracy (held-out programs)")
     axes[0].text(0, CONVERGED - 0.07, f"converged: {CONVERGED}", color="0.4", fontsize=9)
     axes[0].legend(loc="lower right", fontsize=9)  # the 1-hop panel's lower right is empty
     fig.suptitle("Live: the same model trained at K = 1 and at K = 3 (one seed)")
@@ -174,11 +174,23 @@ def demo_steps(result: dict) -> dict[int, list]:
 
 
 def final_accuracy(result: dict, hops: int) -> dict[int, list[float]]:
-    """{K: [accuracy at `hops` on fresh programs after the run, one per seed, in seed order]} of a depth_demo result."""
+    """{K: [accuracy at `hops` at the run's last check, one per seed, in seed order]} of a depth_demo result: on the 256
+    held-out programs the early stop checks, the programs chain_task's final scores use too."""
     out = {}
     for run in sorted(result["runs"], key=lambda r: (r["n_iter"], r["seed"])):
-        out.setdefault(run["n_iter"], []).append(run["fresh"][str(hops)])
+        out.setdefault(run["n_iter"], []).append(run["curve"][-1][1][str(hops)])
     return out
+
+
+def same_run(live: dict, result: dict, tol: float = 0.01) -> bool:
+    """Whether a live demo_train run retraces the stored depth_demo run of its K and seed: the same accuracy (within
+    tol) at every check the live run made, and the same convergence step if it converged."""
+    stored = next((r for r in result["runs"] if (r["n_iter"], r["seed"]) == (live["n_iter"], live["seed"])), None)
+    if stored is None:
+        return False
+    at = {s: a for s, a in stored["curve"]}
+    same_curve = all(s in at and all(abs(a[h] - at[s][h]) <= tol for h in a) for s, a in live["curve"])
+    return same_curve and (live["converged_at"] is None or live["converged_at"] == stored["converged_at"])
 
 
 def chain_seeds(result: dict, names=("asymloop_k1", "asymloop_k3", "full_loop_k2"), hops: int = 3) -> dict[str, list]:
@@ -201,8 +213,9 @@ def _dots(ax, x, accs, steps, color):
 
 
 def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookFigure:
-    """Left: depth_demo's 5 seeds at K = 1 and K = 3 (3-hop accuracy on fresh programs after at most the demo's budget).
-    Right: chain_task's runs of up to 6,000 steps at effective depth 2 and 4, Full Loop K = 2 beside AsymLoop K = 3."""
+    """Left: depth_demo's 5 seeds at K = 1 and K = 3 (at most the demo's budget). Right: chain_task's runs of up to
+    6,000 steps at effective depth 2 and 4, Full Loop K = 2 beside AsymLoop K = 3. Both panels: 3-hop accuracy at the
+    run's end on the 256 held-out programs of the early stop."""
     fig = NotebookFigure(figsize=(11, 4.4))
     left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[2, 3]))
     acc, steps = final_accuracy(demo, 3), demo_steps(demo)
@@ -214,15 +227,15 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
         if rule:
             ax.axhline(rule[3], color="0.3", ls="--", lw=1, label="no-chain rule: most frequent value so far")
     left.set_xticks(range(len(acc)), [f"AsymLoop K = {k}\n(depth {1 + k})" for k in sorted(acc)])
-    left.set_title(f"depth_demo: at most {demo['setting']['steps']:,} steps")
-    left.set_ylabel("3-hop accuracy at the end of the run")
+    left.set_title(f"at most {demo['setting']['steps']:,} steps (depth_demo)")
+    left.set_ylabel("3-hop accuracy at the run's end\n(held-out programs)")
     right.legend(loc="lower right", fontsize=8, framealpha=1)
     labels = {"asymloop_k1": ("AsymLoop K = 1\n(depth 2)", K_COLORS[1]), "asymloop_k3": ("AsymLoop K = 3\n(depth 4)", K_COLORS[3]),
               "full_loop_k2": ("Full Loop L = 2, K = 2\n(depth 4)", "C4")}
     for i, (name, runs) in enumerate(chain.items()):
         _dots(right, i, [a for a, _, _ in runs], [s if c else None for _, s, c in runs], labels[name][1])
     right.set_xticks(range(len(chain)), [labels[n][0] for n in chain])
-    right.set_title("chain_task: at most 6,000 steps")
+    right.set_title("at most 6,000 steps (chain_task)")
     for ax in (left, right):
         ax.set_xlim(-0.5, ax.get_xticks()[-1] + 0.5)
         ax.set_ylim(0, 1.05)
@@ -235,8 +248,9 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
 
 
 def trained_chain_model(seed: int):
-    """The AsymLoop (E = D = 1) trained at K = 3 on binding chains by the chain_task experiment, from its committed
-    weights (notebooks/results/chain_weights/asymloop_k3-s<seed>.safetensors; seeds 0, 1 and 3 converged)."""
+    """The AsymLoop (E = D = 1) trained at K = 3 on binding chains to convergence by the chain_context experiment (the
+    runs notebook 03 probes), from its committed weights (notebooks/results/chain_weights/asymloop_k3-s<seed>.safetensors;
+    seeds 0, 1 and 3)."""
     from safetensors.torch import load_file
 
     from minimal_asymloop.experiments.chain import CHAIN_TASK, chain_models
@@ -246,7 +260,7 @@ def trained_chain_model(seed: int):
 
     path = RESULTS / "chain_weights" / f"asymloop_k3-s{seed}.safetensors"
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; committed seeds: 0, 1, 3 (python -m minimal_asymloop.experiments chain_task)")
+        raise FileNotFoundError(f"{path} is missing; committed seeds: 0, 1, 3 (python -m minimal_asymloop.experiments chain_context)")
     model = LoopedLM(chain_models(ChainTask(**CHAIN_TASK))["asymloop_k3"])
     model.load_state_dict(load_file(str(path)))
     return model.eval()
