@@ -76,3 +76,17 @@ def test_pipeline_figure_and_live_hooks():
     assert isinstance(C.live_hook("alrs_unpinned", Cfg, schedule, 250), alrs.ALRS)
     with pytest.raises(ValueError, match="unknown arm 'adam'"):
         C.live_hook("adam", Cfg, schedule, 250)
+
+
+def test_takeaway_titles_follow_the_data():
+    import copy
+
+    assert "every seed" in C.controls_title(RES) and "every base LR" in C.plot_sweep(RES).axes[0].get_title()
+    worse = copy.deepcopy(RES)  # every pinned arm made worse than uniform LR: no title may still call it ahead
+    for r in worse["runs"]:
+        if r["arm"] in C.PINNED:
+            r["val_loss"] += 5.0
+            r.update({k: v + 1.0 for k, v in r.items() if k.startswith("srank ")})
+    assert C.controls_title(worse) != C.controls_title(RES) and "ALRS" not in C.controls_title(worse).split(":")[1]
+    assert "at 0 of the" in C.plot_sweep(worse).axes[0].get_title()
+    assert "in 0 of 4 groups" in C.plot_stable_rank(worse).axes[0].get_title()

@@ -8,11 +8,8 @@ ARM_LABELS = {"uniform": "uniform LR", "alrs": "ALRS", "alrs_unpinned": "ALRS, e
               "alrs_hill": "ALRS, hill_median fit", "uniform_top": "uniform, embedding/head at 5× only",
               "scaled": "uniform × ALRS's mean multiplier"}
 SRANK_GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN")
+PINNED = ("alrs", "alrs_hill", "uniform_top")  # the arms whose embedding and head run at the top multiplier
 
-
-# the live runs of notebook 05 match the 30 study runs made by an earlier trainer version up to this step (see the
-# notebook's run-time notes); the 3 `uniform_top` runs, made by the current trainer, match at every logged step
-EXACT_THROUGH = 25
 
 
 def live_hook(arm: str, cfg_t, schedule: dict, total_steps: int):
@@ -135,14 +132,31 @@ def plot_sweep(res: dict) -> Figure:
             ax.plot([lr] * len(v), v, ".", color=color, alpha=0.4)
     steps = res["setting"]["steps"]
     grid = sorted(set(res["setting"]["lr_grids"]["uniform"]) | set(res["setting"]["lr_grids"]["alrs"]))
+    both = sorted(set(res["setting"]["lr_grids"]["uniform"]) & set(res["setting"]["lr_grids"]["alrs"]))
+    ahead = sum(np.mean([r["val_loss"] for r in runs_of(res, "alrs", lr).values()])
+                < np.mean([r["val_loss"] for r in runs_of(res, "uniform", lr).values()]) for lr in both)
+    verdict = "at every base LR both tried" if ahead == len(both) else f"at {ahead} of the {len(both)} base LRs both tried"
     ax.set_xscale("log")
     ax.set_xticks(grid, [f"{lr:g}" for lr in grid], fontsize=9)
     ax.minorticks_off()
     ax.set(xlabel="base learning rate", ylabel=f"val loss after {steps} steps (nats/token)",
-           title="ALRS is ahead of uniform LR at every base LR both tried\n(dots: seeds; each arm has its own sweep)")
+           title=f"ALRS's mean is below uniform LR's {verdict}\n(dots: seeds; each arm has its own sweep)")
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def controls_title(res: dict) -> str:
+    """The controls figure's takeaway, from the data: which arms beat uniform LR at its best in every seed."""
+    n = len(res["setting"]["seeds"])
+    wins = {arm for arm, lr in control_arms(res).values() if arm != "uniform" and
+            len(d := within_seed(res, arm, lr)) == n and (d < 0).all()}
+    scaled = len(d := within_seed(res, "uniform", res["scaled_uniform_lr"])) == n and (d < 0).all()
+    if wins == set(PINNED) and not scaled:
+        return ("The three arms that pin embedding and head at 5× beat uniform LR in every seed;\n"
+                "the uniformly higher LR and unpinned ALRS do not")
+    names = [label for label, (arm, lr) in control_arms(res).items() if arm in wins or (arm == "uniform" and scaled)]
+    return "Better than uniform LR at its best in every seed:\n" + (", ".join(names) or "none of the arms")
 
 
 def plot_controls(res: dict) -> Figure:
@@ -159,8 +173,7 @@ def plot_controls(res: dict) -> Figure:
     ax.axhline(0, color="k", lw=1)
     ax.set_xticks(range(len(labels)), labels, fontsize=9)
     ax.set(xlabel="arm (the base LR it ran at)", ylabel="val loss − uniform at its best\n(nats/token, within seed)",
-           title="The three arms that pin embedding and head at 5× beat uniform LR in every seed;\n"
-                 "the uniformly higher LR and unpinned ALRS do not")
+           title=controls_title(res))
     handles, names = ax.get_legend_handles_labels()
     keep = {n: h for h, n in zip(handles, names)}  # one entry per label
     ax.legend(keep.values(), keep.keys(), fontsize=9, loc="upper right")
@@ -184,8 +197,10 @@ def plot_stable_rank(res: dict) -> Figure:
         for row in v:
             ax.plot(x + i * w, row, "k.", ms=3)
     ax.set_xticks(x + w * len(arms) / 2, [g.replace(" ", "\n") for g in SRANK_GROUPS])
+    lower = [g for g in SRANK_GROUPS if within_seed(res, "alrs", best_lr(res, "alrs"), f"srank {g}").mean() < 0]
     ax.set(xlabel="matrix group (local Q/K/V/O for attention, gate/up/down for FFN)", ylabel="mean normalized stable rank", ylim=(0, None),
-           title="Normalized stable rank after training (dots: seeds)")
+           title=f"Mean stable rank lower under ALRS than under uniform LR in {len(lower)} of {len(SRANK_GROUPS)} groups"
+                 f"\n({', '.join(lower) or 'none'}; dots: seeds)")
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
