@@ -111,9 +111,9 @@ def accuracy_by_hops(model, task: ChainTask, n: int = 256, n_iter: int | None = 
     idx, targets, hops = task.batch(n, torch.Generator().manual_seed(seed))
     was_training = model.training
     model.eval()
-    logits, _ = model(idx, n_iter=n_iter)
+    logits, _ = model(idx.to(next(model.parameters()).device), n_iter=n_iter)  # the batch on the model's device
     model.train(was_training)
-    correct = logits.argmax(-1) == targets
+    correct = logits.argmax(-1).cpu() == targets
     return {h: correct[hops == h].float().mean().item() for h in range(1, task.max_hops + 1) if (hops == h).any()}
 
 

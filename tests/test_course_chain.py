@@ -100,3 +100,21 @@ def test_score_resolver_counts_passes_per_hop(ctx):
     assert chain.score_resolver(ctx.task, _resolve, 2, n=64) == {1: 1.0, 2: 1.0, 3: 0.0}
     wrong = chain.score_resolver(ctx.task, lambda text, p: ["0"] * 8, 3, n=64)  # a constant answer: about 1 in 4
     assert 0.1 < wrong[1] < 0.4
+
+
+def test_accuracy_by_hops_runs_the_batch_on_the_models_device(ctx):
+    """A model whose parameters live on another device ("meta" here, as "cuda" on a GPU) gets its batch there."""
+    import torch
+
+    from minimal_asymloop.tasks import accuracy_by_hops
+
+    class OnMeta(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(1, device="meta"))
+
+        def forward(self, idx, n_iter=None):
+            assert idx.device.type == "meta", f"batch on {idx.device}, model on meta"
+            return torch.zeros(*idx.shape, len(ctx.task.chars)), None
+
+    assert set(accuracy_by_hops(OnMeta(), ctx.task, n=4)) == {1, 2, 3}

@@ -97,7 +97,7 @@ def plot_depth(grid: ChainRuns, names) -> Figure:
             _steps_panel(axes[2], d, grid.steps(n), len(grid.seeds) - grid.solved(n).sum(), max_steps, color, marker)
     for ax, h in zip(axes[:2], grid.hops[1:]):
         ax.set(title=f"{h}-hop statements", xlabel="effective depth (blocks per token)",
-               ylabel="accuracy, held-out programs", ylim=(0, 1.05))
+               ylabel="accuracy, check programs", ylim=(0, 1.05))
     axes[0].legend(fontsize=8, loc="lower right")
     axes[2].axhline(max_steps, color="0.6", ls=":", lw=1)
     axes[2].set(title="steps to converge (filled: solved seeds)\nhollow above the cap: failed, with their count",
@@ -139,7 +139,7 @@ def plot_test_depth(grid: ChainRuns, names) -> Figure:
     for ax, what, m in zip(axes, ("solved", "failed"), (n_ok, len(names) * len(grid.seeds) - n_ok)):
         ax.set(title=f"{what} runs ({m})", xlabel="iterations K at test time (★: the trained K)", ylim=(0, 1.05))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[0].set_ylabel("3-hop accuracy, held-out programs")
+    axes[0].set_ylabel("3-hop accuracy, check programs")
     axes[1].legend(handles=handles, fontsize=9, loc="lower right")
     fig.suptitle("Solved runs need more than one iteration, not the number they were trained with; "
                  "iterating on rescues no failed run")
@@ -162,7 +162,7 @@ def plot_context(ctx: ChainRuns, names) -> Figure:
             _seed_dots(ax, i, ctx.acc(n, h), ctx.solved(n), color, marker, spread=0.1)
         _steps_panel(axes[2], i, ctx.steps(n), len(ctx.seeds) - ctx.solved(n).sum(), max_steps, color, marker, 0.12)
     for ax, h in zip(axes[:2], ctx.hops[1:]):
-        ax.set(title=f"{h}-hop statements", ylabel="accuracy, held-out programs", ylim=(0, 1.05))
+        ax.set(title=f"{h}-hop statements", ylabel="accuracy, check programs", ylim=(0, 1.05))
     axes[2].axhline(max_steps, color="0.6", ls=":", lw=1)
     axes[2].set(title="steps to converge (filled: solved seeds)\nhollow above the cap: failed, with their count",
                 ylabel="training steps", ylim=(0, max_steps * 1.2))
@@ -242,7 +242,7 @@ def plot_live(live: dict, title: str, plateau: dict | None = None) -> Figure:
         if plateau:
             ax.axhline(plateau[h], color="0.4", ls="--", lw=1, label="plateau (Dense L = 1, section 3)")
         ax.set(title=f"{h}-hop statements", xlabel="training step", ylim=(0, 1.05))
-    axes[0].set_ylabel("accuracy, held-out programs")
+    axes[0].set_ylabel("accuracy, check programs")
     axes[1].legend(fontsize=8, loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
@@ -326,9 +326,12 @@ def uniform_share(qhops, h: int = 3) -> float:
 # ----------------------------------------------------------------------------- lookups
 
 
+FRESH = 4321  # generator seed of the fresh programs: neither a training stream (seeds 0-4) nor the check set (1234)
+
+
 def load_trained(runs: ChainRuns, device="cpu") -> dict:
     """The committed trained models (notebooks/results/chain_weights/), each checked against its run's recorded
-    accuracy (a mismatch raises): {(name, seed): model}."""
+    accuracy on the check programs (a mismatch raises) and scored on fresh programs: {(name, seed): model}."""
     models = {}
     for path in sorted((RESULTS / "chain_weights").glob("*.safetensors")):
         name, seed = path.stem.rsplit("-s", 1)
@@ -338,14 +341,16 @@ def load_trained(runs: ChainRuns, device="cpu") -> dict:
         stored = {h: then["acc_by_test_k"][str(m.config.n_iter)][str(h)] for h in now}
         if any(abs(now[h] - stored[h]) > 1e-6 for h in now):
             raise ValueError(f"{path.name}: accuracy {now} differs from its run's {stored}; the weights are not that run's")
-        print(f"{name} seed {seed}: accuracy by hops " + " ".join(f"{a:.3f}" for a in now.values())
-              + f", as its run (converged after {then['steps']:,} steps)")
+        fresh = accuracy_by_hops(m, runs.task, n=4 * runs.setting["eval_programs"], seed=FRESH)
+        print(f"{name} seed {seed}: by hops " + " ".join(f"{a:.3f}" for a in now.values())
+              + f" on the check programs, as its run (converged after {then['steps']:,} steps); on "
+              + f"{4 * runs.setting['eval_programs']:,} fresh programs " + " ".join(f"{a:.3f}" for a in fresh.values()))
         models[(name, int(seed))] = m.to(device)
     return models
 
 
 def lookups(runs: ChainRuns, models: dict) -> tuple[dict, torch.Tensor]:
-    """chain_lookups of every model on the held-out programs of the accuracy checks, and each query's hop count."""
+    """chain_lookups of every model on the check programs (the accuracy checks' fixed draw), and each query's hop count."""
     idx, _, hops = runs.task.batch(runs.setting["eval_programs"], torch.Generator().manual_seed(1234))
     return {key: chain_lookups(m.cpu(), runs.task, idx) for key, m in models.items()}, hops[:, 2::4]
 
