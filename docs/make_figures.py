@@ -184,7 +184,7 @@ def chain_panel(ax, hops: int = 3):
     ax.axhline(1.0, color="0.8", lw=0.8)
     ax.set_ylim(0, 1.13)
     ax.set_xlabel("effective depth (blocks per token)")
-    ax.set_ylabel(f"{hops}-hop accuracy, held-out programs")
+    ax.set_ylabel(f"{hops}-hop accuracy, check programs")
     ax.set_title(f"Variable-binding chains: one dot per seed\nfilled: converged within {setting['max_steps']:,} steps "
                  f"(solved/seeds above)", fontsize=10)
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -205,7 +205,7 @@ def context_panel(ax, hops: int = 3):
     ax.axhline(1.0, color="0.8", lw=0.8)
     ax.set_ylim(0, 1.13)
     ax.set_xticks(range(len(arms)), [label for _, label in arms], fontsize=8)
-    ax.set_ylabel(f"{hops}-hop accuracy, held-out programs")
+    ax.set_ylabel(f"{hops}-hop accuracy, check programs")
     ax.set_title("The same task at effective depth 4:\nhow AsymLoop E = D = 1, K = 3 reads the encoder", fontsize=10)
     ax.grid(axis="y", lw=0.3)
 
