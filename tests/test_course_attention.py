@@ -95,6 +95,10 @@ def test_the_competition_figure_plots_one_softmax_global_share_against_two_softm
     grid, token0 = curves[0].get_data()
     assert abs(token0[grid.tolist().index(2.0)] - math.exp(4) / (math.exp(4) + 1)) < 1e-12
     assert list(curves[2].get_ydata()) == [0.5, 0.5]  # the two-softmax line
+    from matplotlib.colors import rgb_to_hsv, to_rgb
+
+    hues = [rgb_to_hsv(to_rgb(line.get_color()))[0] for line in curves[:2]]  # tokens in joint attention's purple,
+    assert all(0.65 < h < 0.8 for h in hues), hues  # not the orange/green/blue that mean Global/loop/encoder in 01
     cells = [t.get_text() for t in fig.axes[0].texts]
     assert cells[:4] == [f"{math.exp(4) / (math.exp(4) + 1):.2f}", "-", f"{1 / (math.exp(4) + 1):.2f}", "-"]
     with pytest.raises(ValueError, match="must both be \\(N, 2N\\); pass one head"):

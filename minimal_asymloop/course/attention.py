@@ -94,16 +94,24 @@ def competition_figure(scores: torch.Tensor, mask: torch.Tensor, global_scale: f
     ax.set_title(f"one softmax, Global scores x{global_scale:g}: each row sums to 1", fontsize=FONT)
     grid = torch.linspace(0, max_scale, 61)
     curves = torch.stack([global_shares(scores, mask, float(g)) for g in grid])  # (len(grid), N)
+    shades, styles = plt_purples(n), ("-", "--", "-.", ":")  # tokens in joint attention's purple, not the halves' colours
     for i in range(n):
-        bx.plot(grid.numpy(), curves[:, i].numpy(), lw=2, label=f"token {i}, one softmax")
-    bx.axhline(0.5, color=COLORS["head"], ls="--", lw=1.5, label="two softmaxes averaged (any scale)")
+        bx.plot(grid.numpy(), curves[:, i].numpy(), lw=2, color=shades[i], ls=styles[i % 4], label=f"token {i}, one softmax")
+    bx.axhline(0.5, color=COLORS["head"], ls=(0, (1, 1)), lw=2, label="two softmaxes averaged (any scale)")
     bx.axvline(global_scale, color="black", lw=0.8, ls=":")
     bx.set_ylim(0, 1)
-    bx.set_xlabel("GLOBAL_SCALE: the Global scores multiplied by")
+    bx.set_xlabel("GLOBAL_SCALE (factor on every Global score)")
     bx.set_ylabel("$w_G$: Global share of the mass")
     bx.set_title("Only one softmax lets the halves compete", fontsize=FONT)
     bx.legend(fontsize=FONT - 2.5, loc="lower right")
     return fig
+
+
+def plt_purples(n: int) -> list:
+    """n shades of the joint-attention purple (light to dark) for per-token curves."""
+    from matplotlib import colormaps
+
+    return [colormaps["Purples"](0.45 + 0.5 * i / max(n - 1, 1)) for i in range(n)]
 
 
 def definitions(path, tag: str, functions_only: bool = False) -> str:
