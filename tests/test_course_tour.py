@@ -156,4 +156,4 @@ def test_figures_take_reference_lines_and_the_rerun_seeds():
     assert [t.get_text() for t in ax.get_legend().get_texts()][-2:] == ["chance: 0.25", "no-chain rule, 3 hops: 0.59"]
     res = _fake_result([0.5] * 5, [0.5] * 5, [None] * 5)
     fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "K=3 again": [(1.0, 5000, True)] * 5})
-    assert [t.get_text() for t in fig.axes[1].get_xticklabels()][-1].startswith("AsymLoop K = 3 again")
+    assert [t.get_text() for t in fig.axes[1].get_xticklabels()][-1].startswith("AsymLoop K = 3\nagain")

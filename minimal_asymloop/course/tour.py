@@ -224,10 +224,10 @@ def chain_seeds(result: dict, names=("asymloop_k1", "asymloop_k3", "full_loop_k2
 def _dots(ax, x, accs, steps, color):
     """One dot per seed at x (filled: converged), its steps to converge printed beside it."""
     for j, (a, s) in enumerate(zip(accs, steps)):
-        xj = x + 0.08 * (j - (len(accs) - 1) / 2)
+        xj = x + 0.11 * (j - (len(accs) - 1) / 2)
         ax.scatter([xj], [a], s=40, zorder=2, color=color if s else "white", edgecolor=color, lw=1.5)
         if s:
-            ax.annotate(f"{s:,}", (xj, a), (0, -13 - 9 * (j % 2)), textcoords="offset points", fontsize=7, color=color,
+            ax.annotate(f"{s:,}", (xj, a), (0, -13 - 9 * (j % 3)), textcoords="offset points", fontsize=7, color=color,
                         ha="center")
 
 
@@ -236,8 +236,8 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     6,000 steps at effective depth 2 and 4, Full Loop K = 2 beside AsymLoop K = 3 (chain: chain_seeds' dict; an entry
     "K=3 again" adds chain_context's AsymLoop K = 3 runs). Both panels: 3-hop accuracy at the
     run's end on the 256 held-out programs of the early stop."""
-    fig = NotebookFigure(figsize=(11, 4.4))
-    left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[2, 3]))
+    fig = NotebookFigure(figsize=(12, 4.4))
+    left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[2, 2 + len(chain)]))
     acc, steps = final_accuracy(demo, 3), demo_steps(demo)
     for i, k in enumerate(sorted(acc)):
         _dots(left, i, acc[k], steps[k], K_COLORS[k])
@@ -251,8 +251,8 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     left.set_ylabel("3-hop accuracy at the run's end\n(held-out programs)")
     right.legend(loc="lower right", fontsize=8, framealpha=1)
     labels = {"asymloop_k1": ("AsymLoop K = 1\n(depth 2)", K_COLORS[1]), "asymloop_k3": ("AsymLoop K = 3\n(depth 4)", K_COLORS[3]),
-              "full_loop_k2": ("Full Loop L = 2, K = 2\n(depth 4)", "C4"),
-              "K=3 again": ("AsymLoop K = 3 again\n(chain_context)", K_COLORS[3])}
+              "full_loop_k2": ("Full Loop\nL = 2, K = 2\n(depth 4)", "C4"),
+              "K=3 again": ("AsymLoop K = 3\nagain (depth 4,\nchain_context)", K_COLORS[3])}
     for i, (name, runs) in enumerate(chain.items()):
         _dots(right, i, [a for a, _, _ in runs], [s if c else None for _, s, c in runs], labels[name][1])
     right.set_xticks(range(len(chain)), [labels[n][0] for n in chain])
