@@ -139,3 +139,21 @@ def test_demo_trains_with_chain_tasks_schedule_and_stops_at_its_budget(monkeypat
     run, _ = dd.demo_train(1, seed=0, steps=10)
     assert seen["steps"] == 6000 and run["steps"] == 10 and run["converged_at"] is None
     assert [s for s, _ in run["curve"]] == [0, 10] and set(run["fresh"]) == {"1", "2", "3"}
+
+
+def test_a_check_changes_no_weight_and_training_moves_them():
+    """trained_weights: held-out checks every 2 steps leave the weights bit for bit as no checks do; one step fewer does not."""
+    def same(a, b):
+        return all(torch.equal(a[n], b[n]) for n in a)
+    unchecked = tour.trained_weights(None, steps=4)
+    assert same(tour.trained_weights(2, steps=4), unchecked)
+    assert not same(tour.trained_weights(None, steps=3), unchecked)
+
+
+def test_figures_take_reference_lines_and_the_rerun_seeds():
+    acc = {s: {k: {2: 0.9, 3: 0.2 * k} for k in (1, 2, 3)} for s in (0, 1)}
+    ax = tour.test_time_figure(acc, {1: 1.0, 2: 0.56, 3: 0.59}).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()][-2:] == ["chance: 0.25", "no-chain rule, 3 hops: 0.59"]
+    res = _fake_result([0.5] * 5, [0.5] * 5, [None] * 5)
+    fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "K=3 again": [(1.0, 5000, True)] * 5})
+    assert [t.get_text() for t in fig.axes[1].get_xticklabels()][-1].startswith("AsymLoop K = 3\nagain")

@@ -12,6 +12,7 @@ from minimal_asymloop.course.draw import COLORS, NotebookFigure
 from minimal_asymloop.flops import count_params, flops_per_token
 from minimal_asymloop.model import Block, LoopedLM, ModelConfig
 
+CHANCE = 0.25  # one of the chain task's 4 values, guessed
 CONVERGED = 0.99  # a run has converged when every hop count is at least this accurate (experiments.chain)
 
 # The paper's Table 9 (Appendix D.1): forward GFLOPs per input position at N = 1024, V = 32128, Full Loop K = 2 and
@@ -148,15 +149,15 @@ def live_figure(runs: dict, rule: dict | None = None) -> NotebookFigure:
         for k, run in sorted(runs.items()):
             ax.plot([s for s, _ in run["curve"]], [a[str(h)] for _, a in run["curve"]], "o-", ms=3, color=K_COLORS[k],
                     label=f"K = {k} (effective depth {1 + k})")
-        ax.axhline(CONVERGED, color="0.5", ls=":", lw=1)
+        ax.axhline(CONVERGED, color="0.5", ls=":", lw=1, label=f"converged: every hop count ≥ {CONVERGED}")
         if rule:
             ax.axhline(rule[h], color="0.3", ls="--", lw=1, label="no-chain rule: most frequent value so far")
+        ax.axhline(CHANCE, color="0.6", ls="-.", lw=1, label=f"chance: {CHANCE} (one of 4 values)")
         ax.set_title(f"{h}-hop statements")
         ax.set_xlabel("optimizer step")
         ax.set_ylim(0, 1.03)
     axes[0].set_ylabel("accuracy (held-out programs)")
-    axes[0].text(0, CONVERGED - 0.07, f"converged: {CONVERGED}", color="0.4", fontsize=9)
-    axes[0].legend(loc="lower right", fontsize=9)  # the 1-hop panel's lower right is empty
+    axes[0].legend(loc="lower right", fontsize=8)  # the 1-hop panel's lower right is empty
     fig.suptitle("Live: the same model trained at K = 1 and at K = 3 (one seed)")
     fig.tight_layout()
     return fig
@@ -193,6 +194,24 @@ def same_run(live: dict, result: dict, tol: float = 0.01) -> bool:
     return same_curve and (live["converged_at"] is None or live["converged_at"] == stored["converged_at"])
 
 
+def trained_weights(check_every: int | None, steps: int = 20, seed: int = 1, n_iter: int = 3) -> dict:
+    """The depth demo model's weights after `steps` optimizer steps of demo_train's recipe, with its held-out check
+    every `check_every` steps (None: no check), so that runs checked at different intervals can be compared bit for bit."""
+    from minimal_asymloop.experiments.chain import CHAIN_BATCH, CHAIN_EVAL, CHAIN_LR, CHAIN_STEPS, CHAIN_TASK
+    from minimal_asymloop.experiments.depth_demo import demo_model
+    from minimal_asymloop.tasks import ChainTask, accuracy_by_hops, train_on_task
+
+    task, model = ChainTask(**CHAIN_TASK), demo_model(n_iter, seed)
+
+    def check(step, m):  # what demo_train's check does, then stop at `steps`
+        accuracy_by_hops(m, task, n=CHAIN_EVAL)
+        return step >= steps
+
+    train_on_task(model, task, steps=CHAIN_STEPS, batch_size=CHAIN_BATCH, lr=CHAIN_LR, seed=seed,
+                  check_every=check_every or steps, check=check if check_every else lambda *_: True)
+    return model.state_dict()
+
+
 def chain_seeds(result: dict, names=("asymloop_k1", "asymloop_k3", "full_loop_k2"), hops: int = 3) -> dict[str, list]:
     """{arm: [(final `hops` accuracy, steps, converged) per seed, in seed order]} of chain_task.json's arms."""
     out = {n: [] for n in names}
@@ -205,19 +224,20 @@ def chain_seeds(result: dict, names=("asymloop_k1", "asymloop_k3", "full_loop_k2
 def _dots(ax, x, accs, steps, color):
     """One dot per seed at x (filled: converged), its steps to converge printed beside it."""
     for j, (a, s) in enumerate(zip(accs, steps)):
-        xj = x + 0.08 * (j - (len(accs) - 1) / 2)
+        xj = x + 0.11 * (j - (len(accs) - 1) / 2)
         ax.scatter([xj], [a], s=40, zorder=2, color=color if s else "white", edgecolor=color, lw=1.5)
         if s:
-            ax.annotate(f"{s:,}", (xj, a), (0, -13 - 9 * (j % 2)), textcoords="offset points", fontsize=7, color=color,
+            ax.annotate(f"{s:,}", (xj, a), (0, -13 - 9 * (j % 3)), textcoords="offset points", fontsize=7, color=color,
                         ha="center")
 
 
 def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookFigure:
     """Left: depth_demo's 5 seeds at K = 1 and K = 3 (at most the demo's budget). Right: chain_task's runs of up to
-    6,000 steps at effective depth 2 and 4, Full Loop K = 2 beside AsymLoop K = 3. Both panels: 3-hop accuracy at the
+    6,000 steps at effective depth 2 and 4, Full Loop K = 2 beside AsymLoop K = 3 (chain: chain_seeds' dict; an entry
+    "K=3 again" adds chain_context's AsymLoop K = 3 runs). Both panels: 3-hop accuracy at the
     run's end on the 256 held-out programs of the early stop."""
-    fig = NotebookFigure(figsize=(11, 4.4))
-    left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[2, 3]))
+    fig = NotebookFigure(figsize=(12, 4.4))
+    left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[2, 2 + len(chain)]))
     acc, steps = final_accuracy(demo, 3), demo_steps(demo)
     for i, k in enumerate(sorted(acc)):
         _dots(left, i, acc[k], steps[k], K_COLORS[k])
@@ -231,11 +251,12 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     left.set_ylabel("3-hop accuracy at the run's end\n(held-out programs)")
     right.legend(loc="lower right", fontsize=8, framealpha=1)
     labels = {"asymloop_k1": ("AsymLoop K = 1\n(depth 2)", K_COLORS[1]), "asymloop_k3": ("AsymLoop K = 3\n(depth 4)", K_COLORS[3]),
-              "full_loop_k2": ("Full Loop L = 2, K = 2\n(depth 4)", "C4")}
+              "full_loop_k2": ("Full Loop\nL = 2, K = 2\n(depth 4)", "C4"),
+              "K=3 again": ("AsymLoop K = 3\nagain (depth 4,\nchain_context)", K_COLORS[3])}
     for i, (name, runs) in enumerate(chain.items()):
         _dots(right, i, [a for a, _, _ in runs], [s if c else None for _, s, c in runs], labels[name][1])
     right.set_xticks(range(len(chain)), [labels[n][0] for n in chain])
-    right.set_title("at most 6,000 steps (chain_task)")
+    right.set_title("at most 6,000 steps (chain_task; the last: chain_context)")
     for ax in (left, right):
         ax.set_xlim(-0.5, ax.get_xticks()[-1] + 0.5)
         ax.set_ylim(0, 1.05)
@@ -266,21 +287,25 @@ def trained_chain_model(seed: int):
     return model.eval()
 
 
-def test_time_figure(acc: dict) -> NotebookFigure:
-    """3-hop (and 2-hop) accuracy of trained K = 3 models run with k iterations: acc = {seed: {k: {hops: accuracy}}}."""
+def test_time_figure(acc: dict, rule: dict | None = None) -> NotebookFigure:
+    """3-hop accuracy (and, in grey, 2-hop) of trained K = 3 models run with k iterations: acc = {seed: {k: {hops:
+    accuracy}}}; chance and the no-chain rule's 3-hop accuracy (frequency_rule) as reference lines."""
     fig = NotebookFigure(figsize=(7, 4))
     ax = fig.subplots()
     for j, (seed, by_k) in enumerate(sorted(acc.items())):
         ks = sorted(by_k)
         ax.plot(ks, [by_k[k][3] for k in ks], "o-", color=f"C{j}", label=f"seed {seed}: 3 hops")
-        ax.plot(ks, [by_k[k][2] for k in ks], "s--", color=f"C{j}", alpha=0.5, ms=4, label=f"seed {seed}: 2 hops")
+        ax.plot(ks, [by_k[k][2] for k in ks], "s:", color="0.6", ms=3, lw=1, label="2 hops (each seed)" if j == 0 else None)
+    ax.axhline(CHANCE, color="0.6", ls="-.", lw=1, label=f"chance: {CHANCE}")
+    if rule:
+        ax.axhline(rule[3], color="0.3", ls="--", lw=1, label=f"no-chain rule, 3 hops: {rule[3]:.2f}")
     ax.axvline(3, color="0.5", ls=":", lw=1)
-    ax.text(3.05, 0.6, "trained K", color="0.4")
+    ax.text(3.05, 0.75, "trained K", color="0.4")
     ax.set_xticks(ks)
     ax.set_xlabel("iterations k at test time (effective depth 1 + k)")
     ax.set_ylabel("accuracy on fresh programs")
     ax.set_ylim(0, 1.03)
     ax.set_title("The same trained weights: 3 hops need the iterations")
-    ax.legend(fontsize=8, loc="lower right", ncol=2)
+    ax.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     return fig
