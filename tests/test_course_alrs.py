@@ -45,11 +45,14 @@ def test_replay_gaps_compare_the_logged_steps_up_to_the_live_end():
     assert list(gaps) == [5, 10] and gaps[5] < 1e-9 and abs(gaps[10] - 0.1) < 1e-9
 
 
+ARMS5 = {"ALRS": ("alrs", C.best_lr(RES, "alrs")), "pinned only": ("uniform_top", RES["best_lr_first_seed"]["uniform"])}
+
+
 def test_figures_build_with_titles_and_labels():
     sp, name = RES["spectra"], ex.SPECTRA[0]
     s = RES["setting"]["model"]
     figs = [C.plot_esd(sp, name, (s["d_ff"], s["d_model"]), {"init": "init", "alrs": "ALRS"}), C.plot_sweep(RES),
-            C.plot_controls(RES), C.plot_stable_rank(RES),
+            C.plot_controls(RES), C.plot_stable_rank(RES, ARMS5),
             C.plot_allocation(C.runs_of(RES, "alrs", C.best_lr(RES, "alrs"))[0])]
     for fig in figs:
         assert all(ax.get_xlabel() for ax in fig.axes) and fig.axes[0].get_ylabel()
@@ -89,4 +92,4 @@ def test_takeaway_titles_follow_the_data():
             r.update({k: v + 1.0 for k, v in r.items() if k.startswith("srank ")})
     assert C.controls_title(worse) != C.controls_title(RES) and "ALRS" not in C.controls_title(worse).split(":")[1]
     assert "at 0 of the" in C.plot_sweep(worse).axes[0].get_title()
-    assert "in 0 of 4 groups" in C.plot_stable_rank(worse).axes[0].get_title()
+    assert "in 0 of 4 groups" in C.plot_stable_rank(worse, ARMS5).axes[0].get_title()

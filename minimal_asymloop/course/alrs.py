@@ -102,7 +102,7 @@ def mp_density(x, lo: float, hi: float, shape: tuple[int, int]) -> np.ndarray:
 def plot_esd(spectra: dict, name: str, shape: tuple[int, int], tags: dict[str, str]) -> Figure:
     """One matrix's eigenvalues at init and trained (one panel each) over the bulk a random matrix would have."""
     fig = Figure(figsize=(10, 4.0))
-    axes = fig.subplots(1, len(tags))
+    axes = fig.subplots(1, len(tags), sharex=True)  # shared: training grows the spectrum several-fold
     for ax, (tag, label) in zip(axes, tags.items()):
         e = np.array(spectra[tag]["eigenvalues"][name])
         lo, hi = mp_edges(e, shape)
@@ -181,26 +181,25 @@ def plot_controls(res: dict) -> Figure:
     return fig
 
 
-def plot_stable_rank(res: dict) -> Figure:
-    """Mean normalized stable rank per group, at init (seed 0) and for four arms (mean over seeds, dots: seeds)."""
-    arms = {"uniform LR, best": ("uniform", best_lr(res, "uniform")), "ALRS, best": ("alrs", best_lr(res, "alrs")),
-            ARM_LABELS["scaled"]: ("uniform", res["scaled_uniform_lr"]),
-            ARM_LABELS["uniform_top"]: ("uniform_top", res["best_lr_first_seed"]["uniform"])}
+def plot_stable_rank(res: dict, arms: dict[str, tuple[str, float]]) -> Figure:
+    """Normalized stable rank per group, each arm minus uniform LR at its best within seed (bars: mean, dots: seeds)."""
     fig = Figure(figsize=(10, 4.4))
     ax = fig.subplots()
-    w = 0.8 / (len(arms) + 1)
+    w = 0.8 / len(arms)
     x = np.arange(len(SRANK_GROUPS))
-    ax.bar(x, [res["spectra"]["init"]["stable_rank"][f"srank {g}"] for g in SRANK_GROUPS], w, color="0.75", label="init (seed 0)")
-    for i, (label, (arm, lr)) in enumerate(arms.items(), start=1):
-        v = np.array([[r[f"srank {g}"] for g in SRANK_GROUPS] for r in runs_of(res, arm, lr).values()])
-        ax.bar(x + i * w, v.mean(0), w, color=f"C{i - 1}", label=label)
-        for row in v:
-            ax.plot(x + i * w, row, "k.", ms=3)
-    ax.set_xticks(x + w * len(arms) / 2, [g.replace(" ", "\n") for g in SRANK_GROUPS])
-    lower = [g for g in SRANK_GROUPS if within_seed(res, "alrs", best_lr(res, "alrs"), f"srank {g}").mean() < 0]
-    ax.set(xlabel="matrix group (local Q/K/V/O for attention, gate/up/down for FFN)", ylabel="mean normalized stable rank", ylim=(0, None),
-           title=f"Mean stable rank lower under ALRS than under uniform LR in {len(lower)} of {len(SRANK_GROUPS)} groups"
-                 f"\n({', '.join(lower) or 'none'}; dots: seeds)")
+    diffs = {label: np.array([within_seed(res, arm, lr, f"srank {g}") for g in SRANK_GROUPS]) for label, (arm, lr) in arms.items()}
+    for i, (label, v) in enumerate(diffs.items()):  # v: (group, seed)
+        ax.bar(x + i * w, v.mean(1), w, color=f"C{i}", alpha=0.8, label=label)
+        for col in v.T:
+            ax.plot(x + i * w, col, "k.", ms=4)
+    ax.axhline(0, color="k", lw=0.8)
+    first, dec = next(iter(diffs)), SRANK_GROUPS.index("decoder FFN")
+    lower = int((diffs[first].mean(1) < 0).sum())
+    ax.set_xticks(x + w * (len(arms) - 1) / 2, [g.replace(" ", "\n") for g in SRANK_GROUPS])
+    ax.set(xlabel="matrix group (local Q/K/V/O for attention, gate/up/down for FFN)",
+           ylabel="Δ mean normalized stable rank\n(arm − uniform LR, same seed)",
+           title=f"Stable rank lower than under uniform LR, on average: {first} in {lower} of {len(SRANK_GROUPS)} groups\n"
+                 f"decoder FFN: " + ", ".join(f"{k} {v[dec].mean():+.3f}" for k, v in diffs.items()) + " (dots: seeds)")
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
