@@ -88,6 +88,17 @@ def mp_edges(eigenvalues, shape: tuple[int, int]) -> tuple[float, float]:
     return sigma2 * (np.sqrt(n) - np.sqrt(m)) ** 2, sigma2 * (np.sqrt(n) + np.sqrt(m)) ** 2
 
 
+def random_beyond_edge(shape: tuple[int, int], draws: int = 2000, seed: int = 0) -> np.ndarray:
+    """How many eigenvalues of WᵀW lie past mp_edges' λ+ for i.i.d. Gaussian W of this shape, one count per draw."""
+    rng = np.random.default_rng(seed)
+    counts = []
+    for _ in range(draws):
+        w = rng.standard_normal(shape)
+        ev = np.linalg.eigvalsh(w.T @ w)
+        counts.append(int((ev > mp_edges(ev, shape)[1]).sum()))
+    return np.array(counts)
+
+
 def mp_density(x, lo: float, hi: float, shape: tuple[int, int]) -> np.ndarray:
     """Marchenko–Pastur density of the eigenvalues of WᵀW with bulk [lo, hi] (zero outside)."""
     q = min(shape) / max(shape)
