@@ -146,24 +146,25 @@ def live_figure(runs: dict, rule: dict | None = None) -> NotebookFigure:
     fig = NotebookFigure(figsize=(11, 3.6))
     axes = fig.subplots(1, len(hops), sharey=True)
     for ax, h in zip(axes, hops):
-        for k, run in sorted(runs.items()):
-            ax.plot([s for s, _ in run["curve"]], [a[str(h)] for _, a in run["curve"]], "o-", ms=3, color=K_COLORS[k],
-                    label=f"K = {k} (effective depth {1 + k})")
+        for k, run in sorted(runs.items()):  # K = 1 drawn wide beneath, so it shows where the two lines coincide
+            ax.plot([s for s, _ in run["curve"]], [a[str(h)] for _, a in run["curve"]], "o-", ms=3 if k > 1 else 7,
+                    lw=1.5 if k > 1 else 4, alpha=1 if k > 1 else 0.5, color=K_COLORS[k], label=f"K = {k} (effective depth {1 + k})")
         ax.axhline(CONVERGED, color="0.5", ls=":", lw=1, label=f"converged: every hop count ≥ {CONVERGED}")
         if rule:
-            ax.axhline(rule[h], color="0.3", ls="--", lw=1, label="no-chain rule: most frequent value so far")
+            ax.axhline(rule[h], color="0.3", ls="--", lw=1, label=RULE_LABEL)
         ax.axhline(CHANCE, color="0.6", ls="-.", lw=1, label=f"chance: {CHANCE} (one of 4 values)")
         ax.set_title(f"{h}-hop statements")
         ax.set_xlabel("optimizer step")
         ax.set_ylim(0, 1.03)
     axes[0].set_ylabel("accuracy (held-out programs)")
-    axes[0].legend(loc="lower right", fontsize=8)  # the 1-hop panel's lower right is empty
+    axes[0].legend(loc="center right", fontsize=8, framealpha=1)  # between the 1-hop line and the chance line
     fig.suptitle("Live: the same model trained at K = 1 and at K = 3 (one seed)")
     fig.tight_layout()
     return fig
 
 
 K_COLORS = {1: "C0", 2: "C2", 3: "C1"}
+RULE_LABEL = "no-chain rule: a literal answers itself,\nx=y the most frequent value so far"
 
 
 def demo_steps(result: dict) -> dict[int, list]:
@@ -232,9 +233,9 @@ def _dots(ax, x, accs, steps, color):
 
 
 def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookFigure:
-    """Left: depth_demo's 5 seeds at K = 1 and K = 3 (at most the demo's budget). Right: chain_task's runs of up to
-    6,000 steps at effective depth 2 and 4, Full Loop K = 2 beside AsymLoop K = 3 (chain: chain_seeds' dict; an entry
-    "K=3 again" adds chain_context's AsymLoop K = 3 runs). Both panels: 3-hop accuracy at the
+    """Left: depth_demo's 5 seeds at K = 1 and K = 3 (at most the demo's budget). Right: runs of up to 6,000 steps,
+    one column per arm of chain: chain_seeds' dict (arms dense_l2, dense_l4, asymloop_k1, asymloop_k3, full_loop_k2,
+    or "K=3 again"). Both panels: 3-hop accuracy at the
     run's end on the 256 held-out programs of the early stop."""
     fig = NotebookFigure(figsize=(12, 4.4))
     left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[2, 2 + len(chain)]))
@@ -245,18 +246,19 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     for ax in (left, right):
         ax.axhline(sum(init) / len(init), color="0.4", ls=":", lw=1, label="untrained (depth_demo's mean)")
         if rule:
-            ax.axhline(rule[3], color="0.3", ls="--", lw=1, label="no-chain rule: most frequent value so far")
+            ax.axhline(rule[3], color="0.3", ls="--", lw=1, label=RULE_LABEL)
     left.set_xticks(range(len(acc)), [f"AsymLoop K = {k}\n(depth {1 + k})" for k in sorted(acc)])
     left.set_title(f"at most {demo['setting']['steps']:,} steps (depth_demo)")
     left.set_ylabel("3-hop accuracy at the run's end\n(held-out programs)")
     right.legend(loc="lower right", fontsize=8, framealpha=1)
-    labels = {"asymloop_k1": ("AsymLoop K = 1\n(depth 2)", K_COLORS[1]), "asymloop_k3": ("AsymLoop K = 3\n(depth 4)", K_COLORS[3]),
+    labels = {"dense_l2": ("Dense L = 2\n(depth 2)", "0.3"), "dense_l4": ("Dense L = 4\n(depth 4)", "0.3"),
+              "asymloop_k1": ("AsymLoop K = 1\n(depth 2)", K_COLORS[1]), "asymloop_k3": ("AsymLoop K = 3\n(depth 4)", K_COLORS[3]),
               "full_loop_k2": ("Full Loop\nL = 2, K = 2\n(depth 4)", "C4"),
               "K=3 again": ("AsymLoop K = 3\nagain (depth 4,\nchain_context)", K_COLORS[3])}
     for i, (name, runs) in enumerate(chain.items()):
         _dots(right, i, [a for a, _, _ in runs], [s if c else None for _, s, c in runs], labels[name][1])
     right.set_xticks(range(len(chain)), [labels[n][0] for n in chain])
-    right.set_title("at most 6,000 steps (chain_task; the last: chain_context)")
+    right.set_title("at most 6,000 steps (depth 2: chain_task; depth 4: chain_context)")
     for ax in (left, right):
         ax.set_xlim(-0.5, ax.get_xticks()[-1] + 0.5)
         ax.set_ylim(0, 1.05)
@@ -295,6 +297,7 @@ def test_time_figure(acc: dict, rule: dict | None = None) -> NotebookFigure:
     for j, (seed, by_k) in enumerate(sorted(acc.items())):
         ks = sorted(by_k)
         ax.plot(ks, [by_k[k][3] for k in ks], "o-", color=f"C{j}", label=f"seed {seed}: 3 hops")
+    for j, by_k in enumerate(acc.values()):  # after the 3-hop lines, so the legend lists the seeds first
         ax.plot(ks, [by_k[k][2] for k in ks], "s:", color="0.6", ms=3, lw=1, label="2 hops (each seed)" if j == 0 else None)
     ax.axhline(CHANCE, color="0.6", ls="-.", lw=1, label=f"chance: {CHANCE}")
     if rule:
