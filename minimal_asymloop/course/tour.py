@@ -156,7 +156,7 @@ def live_figure(runs: dict, rule: dict | None = None) -> NotebookFigure:
         ax.set_title(f"{h}-hop statements")
         ax.set_xlabel("optimizer step")
         ax.set_ylim(0, 1.03)
-    axes[0].set_ylabel("accuracy (held-out programs)")
+    axes[0].set_ylabel("accuracy (check programs)")
     axes[0].legend(loc="center right", fontsize=8, framealpha=1)  # between the 1-hop line and the chance line
     fig.suptitle("Live: the same model trained at K = 1 and at K = 3 (one seed)")
     fig.tight_layout()
@@ -249,7 +249,7 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
             ax.axhline(rule[3], color="0.3", ls="--", lw=1, label=RULE_LABEL)
     left.set_xticks(range(len(acc)), [f"AsymLoop K = {k}\n(depth {1 + k})" for k in sorted(acc)])
     left.set_title(f"at most {demo['setting']['steps']:,} steps (depth_demo)")
-    left.set_ylabel("3-hop accuracy at the run's end\n(held-out programs)")
+    left.set_ylabel("3-hop accuracy at the run's end\n(check programs)")
     right.legend(loc="lower right", fontsize=8, framealpha=1)
     labels = {"dense_l2": ("Dense L = 2\n(depth 2)", "0.3"), "dense_l4": ("Dense L = 4\n(depth 4)", "0.3"),
               "asymloop_k1": ("AsymLoop K = 1\n(depth 2)", K_COLORS[1]), "asymloop_k3": ("AsymLoop K = 3\n(depth 4)", K_COLORS[3]),
