@@ -125,3 +125,19 @@ def test_live_figures_build_and_name_the_leader(runs):
     gap = depth.plot_live_gap(runs, fake)
     assert plt.get_fignums() == [] and len(gap.axes) == len(runs.seeds)
     assert any(line.get_label() == "live run" for line in gap.axes[0].get_lines())
+
+
+def test_describe_counts_each_run_once_and_prints_the_schedule(runs, capsys):
+    runs.describe()
+    out = capsys.readouterr().out
+    shared = {(r["name"], r["seed"]) for r in runs.md["runs"]} & {(r["name"], r["seed"]) for r in runs.gk["runs"]}
+    assert f"{len(runs.gk['runs']) - len(shared)} not in the line above" in out and shared
+    assert f"warm-up over steps 1-{runs.warmup()}" in out and runs.warmup() == round(0.1 * runs.setting["steps"])
+
+
+def test_lens_title_names_the_flattest_model_and_whether_all_rise(runs):
+    names = ["asymloop_k3", "asymloop_k3_additive"]
+    title = depth.plot_lens(runs, names).axes[0].get_title()
+    rise = {n: (runs.lens(n)[:, -1] - runs.lens(n)[:, runs.n_iter(n) - 1]).mean() for n in names}
+    assert f"least in {min(rise, key=rise.get)}" in title
+    assert ("rises in every model" in title) == (min(rise.values()) > 0)

@@ -21,8 +21,8 @@ from minimal_asymloop.paths import RESULTS
 from minimal_asymloop.probes import logit_lens
 
 # The paper (Liang et al., 2026), 60M models, 1.68B tokens. Validation perplexity unless said otherwise.
-# Table 3 (matched depth). The paper states its token budget ("held fixed within each model scale", Section 4.4), not
-# its learning-rate recipe; its numbers match neither the uniform-LR nor the ALRS/layerwise rows of Tables 4a and 8.
+# Table 3 (matched depth). Section 3.3: "We use the layerwise learning-rate method of He et al. (2026) to train
+# AsymLoop" (ALRS), yet its numbers match neither the uniform-LR nor the ALRS/layerwise rows of Tables 4a and 8.
 TABLE3 = {"dense": 23.72, "asymloop_k1": 21.79, "full_loop_k2": 23.03, "asymloop_k3": 21.45, "full_loop_k3": 22.77,
           "asymloop_k5": 21.30}
 # Table 7 (context access, K=3; Full Loop K=2): QKNorm and uniform LR in every model.
@@ -69,14 +69,24 @@ class LMRuns:
     def n_iter(self, name):
         return self.runs[(name, self.seeds[0])]["n_iter"]
 
+    def warmup(self) -> int:
+        """Steps of linear learning-rate warm-up in the stored runs' schedule (optim.py's rule)."""
+        return max(1, round(ex.train_config(self.setting["steps"], 0, ".").warmup_frac * self.setting["steps"]))
+
     def describe(self):
         s, b = self.setting, self.setting["budget"]
+        tc = ex.train_config(s["steps"], 0, ".")
         print(f"our runs: L={s['model']['n_layer']} blocks of width {s['model']['d_model']} (AsymLoop E=D=2), "
               f"QKNorm in every model, uniform LR {s['train']['lr']}, {s['steps']} steps x {s['train']['global_batch']} x "
               f"{s['train']['seq_len']} tokens = {b['tokens_per_param']:.1f} tokens/param; seeds {self.seeds}")
+        print(f"  schedule: linear warm-up over steps 1-{self.warmup()}, then cosine from the peak {s['train']['lr']} "
+              f"down to {tc.min_lr_ratio:g} x peak at step {s['steps']}")
+        seen = set()
         for r in (self.md, self.gk):
-            print(f"  {r['command']}: {len(r['runs'])} runs, {sum(x['seconds'] for x in r['runs']) / 60:.0f} min of "
-                  f"training on one thread of a shared 2-core CPU")
+            new = [x for x in r["runs"] if (x["name"], x["seed"]) not in seen]
+            seen |= {(x["name"], x["seed"]) for x in r["runs"]}
+            print(f"  {r['command']}: {len(r['runs'])} runs, {len(new)} not in the line above "
+                  f"({sum(x['seconds'] for x in new) / 60:.0f} min of training on one thread of a shared 2-core CPU)")
         print(f"the paper's 60M models: 1.68B tokens = {paper_tokens_per_param():.1f} tokens/param")
 
 
@@ -96,7 +106,7 @@ def matched_depth(runs: LMRuns) -> dict:
     return {(baseline, asymloop): per-seed differences}."""
     diffs = {(b, a): runs.loss(a) - runs.loss(b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
     print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better). Paper: 60M, 17.6 "
-          "tokens/param;\n  Table 3: recipe not stated | Tables 6+8: uniform LR, CE of Table 6's AsymLoop minus "
+          "tokens/param;\n  Table 3: ALRS (Section 3.3), but matches no ALRS row | Tables 6+8: uniform LR, CE of Table 6's AsymLoop minus "
           "Table 8's baseline | Table 7: uniform LR, QKNorm")
     print(f"{'pair (our depth)':>32} | {'Table 3':>7} | {'Tables 6+8':>10} | {'Table 7':>7} | "
           f"{'ours: uniform, ' + format(runs.tpp, '.1f') + ' tok/param':>26} | per seed")
@@ -113,7 +123,7 @@ def matched_depth(runs: LMRuns) -> dict:
 
 def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
     """Left: validation loss against effective depth. Right: AsymLoop minus its baseline, one dot per seed, beside
-    the paper's uniform-LR differences (Tables 6+8, Table 7) and Table 3 (recipe not stated)."""
+    the paper's uniform-LR differences (Tables 6+8, Table 7) and Table 3 (ALRS by Section 3.3)."""
     fig = Figure(figsize=(11, 4.4))
     axes = fig.subplots(1, 2)
     ax = axes[0]
@@ -137,7 +147,7 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
         if p["Table 7"] is not None:
             ax.plot(i + 0.1, p["Table 7"], "s", color="k", mfc="w", ms=8, label="paper, Table 7 (uniform LR)")
         ax.plot(i + 0.1, p["Table 3"], "x", color="0.5", ms=8, mew=2,
-                label="paper, Table 3 (recipe not stated)" if i == 0 else None)
+                label="paper, Table 3 (ALRS, Section 3.3)" if i == 0 else None)
     ax.axhline(0, color="0.6", lw=0.8)
     ax.set_xticks(range(len(diffs)), [f"{a}\n− {b}" for b, a in diffs], fontsize=9)
     ax.set(xlim=(-0.5, len(diffs) - 0.5), ylabel="AsymLoop − baseline, within seed\n(nats/token; below 0: AsymLoop better)",
@@ -173,9 +183,13 @@ def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
                     ls="--" if "additive" in n else "-", capsize=3, label=f"{n} (trained K={k})")
         ax.plot([k + off], [c.mean(0)[k - 1]], "*", color=COLOR[n], ms=16, mec="k")
     ref = "" if init is None else f"; untrained: {np.mean(init):.2f} at every k, off this scale"
+    rise = {n: (runs.lens(n)[:, -1] - runs.lens(n)[np.arange(len(runs.seeds)), runs.n_iter(n) - 1]).mean() for n in names}
+    least = min(rise, key=rise.get)
+    verdict = ("rises in every model" if min(rise.values()) > 0 else "does not rise in every model") + \
+        f", least in {least}"
     ax.set(xlabel="iteration k whose state the head reads (★: the trained K)\n"
                   "one iteration runs 2 blocks in AsymLoop, 4 in Full Loop", ylabel="loss, held-out windows (nats/token)",
-           title=f"Each trained iteration lowers the loss; past the trained K it rises, except with additive injection\n"
+           title=f"Each trained iteration lowers the loss; past the trained K it {verdict}\n"
                  f"(mean ± std over {len(runs.seeds)} seeds, {runs.tpp:.1f} tokens/param{ref})")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=9)
@@ -247,10 +261,12 @@ def plot_gaps(runs: LMRuns, names, ref="asymloop_k3", window=20) -> Figure:
             ax.plot(np.arange(window, window + len(base)), smooth(n, s) - base, color=COLOR[n], label=n,
                     ls="--" if "additive" in n else "-", lw=2.4 if "no_global" in n else 1.4, zorder=3 - j)
         ax.axhline(0, color="0.6", lw=0.8)
+        ax.axvline(runs.warmup(), color="0.4", ls=":", lw=1.2, label="end of LR warm-up" if s == runs.seeds[0] else None)
         ax.set(xlabel="training step", title=f"seed {s}")
     axes[0].set_ylabel(f"training loss − {ref}'s\n(nats/token)")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=9)
-    fig.suptitle(f"Training loss relative to {ref} (same seed, same batches; above 0: behind it)")
+    fig.suptitle(f"Training loss relative to {ref} (same seed, same batches; above 0: behind it; smoothed over the "
+                 f"{window} steps up to each point)")
     fig.tight_layout(rect=(0, 0.17, 1, 1))
     return fig
 
@@ -344,10 +360,11 @@ def plot_live_gap(runs: LMRuns, live: dict, seed: int = 0, window: int = 20) -> 
             g = smooth(live[b]["train_loss"]) - smooth(live[a]["train_loss"])
             ax.plot(np.arange(window, window + len(g)), g, "k--", lw=1.5, label="live run")
         ax.axhline(0, color="0.6", lw=0.8)
+        ax.axvline(runs.warmup(), color="0.4", ls=":", lw=1.2, label="end of LR warm-up" if s == runs.seeds[0] else None)
         ax.set(xlabel="training step", title=f"seed {s}\nvalidation gap at step {runs.setting['steps']}: {d:+.3f}")
     axes[0].set_ylabel("training loss without − with\nGlobal KV (nats/token)")
     axes[min(runs.seeds.index(seed), len(axes) - 1)].legend(fontsize=9)
     fig.suptitle(f"Without Global KV, AsymLoop K=3 ends behind in {(final > 0).sum()} of {len(final)} seeds; the live "
-                 f"run retraces its seed's first steps\n(training loss smoothed over {window} steps; above 0: behind)")
+                 f"run retraces its seed's first steps\n(training loss averaged over the {window} steps up to each point; above 0: behind)")
     fig.tight_layout()
     return fig
