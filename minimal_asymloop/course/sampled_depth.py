@@ -81,7 +81,9 @@ def fig_test_k(result: dict, hops: str = "3", title: str | None = None, chain: b
         ax.axvline(3, ls=":", c="gray")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
+    if title and not chain:  # one panel: one title
+        lm_ax.set_title(f"{title}\n(median of seeds; thin lines: each seed; axis clipped above)", fontsize=10)
+    elif title:
         fig.suptitle(title)
     fig.tight_layout()
     return fig
@@ -228,7 +230,8 @@ def fig_live(curves: dict, steps: int, title: str = "3-hop accuracy by test-time
     for j, (name, c) in enumerate(curves.items()):
         ks = range(1, len(c["acc"]) + 1)
         label = "trained at fixed K=3 (committed weights)" if name == "before" else f"+ {steps} steps, {name}"
-        ax.plot(ks, c["acc"], **styles.get(name, dict(c=f"C{j}", marker="o")), label=label)
+        ax.plot(ks, c["acc"], **styles.get(name, dict(c=f"C{j}", marker="os^"[j % 3], ms=8 - 2 * (j % 3),
+                                                         ls="-" if j % 3 < 2 else "--")), label=label)  # none hidden
     ax.axvline(3, ls="-", c="0.85", lw=3, zorder=0)
     ax.text(3.08, 0.05, "trained K", color="0.4", fontsize=8)
     ax.axhline(0.25, ls="--", c="0.7", lw=1)
