@@ -93,3 +93,18 @@ def test_live_seeds_seed1_row_is_the_live_run_and_the_lm_axis_is_clipped():
     top = fig.axes[0].get_ylim()[1]
     worst = max(r["ce"] for run in SD.runs_of(sd, "lm")["uniform_k1_5"] for r in run["sweep"]["fixed"])
     assert len(fig.axes) == 1 and top < worst
+
+
+def test_vs_fixed_frontier_measures_the_gap_at_equal_flops():
+    """A threshold's loss minus the fixed-K frontier interpolated at its counted FLOPs: on the stored runs every gap is
+    positive; a synthetic threshold below the frontier gives a negative gap of the right size."""
+    from minimal_asymloop.course import sampled_depth as SD
+
+    sd = json.loads((RESULTS / "sampled_depth.json").read_text())
+    assert all(b["gap"] > 0 for rows in SD.vs_fixed_frontier(sd).values() for b in rows)
+    fixed = [dict(k=k, flops_per_token=100.0 * k, ce=c) for k, c in zip((1, 2, 3, 4), (5.0, 4.0, 3.0, 3.5))]
+    ada = [dict(tau=0.1, flops_per_token=250.0, ce=3.45), dict(tau=0.01, flops_per_token=350.0, ce=2.9)]
+    toy = {"runs": [dict(task="lm", recipe="fixed_k3", seed=0, sweep=dict(fixed=fixed, adaptive=ada))]}
+    best = SD.vs_fixed_frontier(toy)["fixed_k3"][0]
+    assert best["tau"] == 0.01 and abs(best["gap"] - (2.9 - 3.0)) < 1e-9  # past K=3 the frontier stays at K=3's 3.0
+    assert abs(SD.vs_fixed_frontier(toy)["fixed_k3"][0]["flops_vs_k3"] - 350 / 300) < 1e-9

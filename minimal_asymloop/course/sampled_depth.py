@@ -2,7 +2,8 @@
 
     result = json.loads((RESULTS / "sampled_depth.json").read_text())
     fig_test_k(result)      # loss (LM) and accuracy by hops (chain) against test-time K, one curve per training recipe
-    fig_frontier(result)    # the adaptive exit rule: loss against mean iterations per token, one curve per recipe
+    fig_frontier(result)    # the adaptive exit rule: loss against counted FLOPs per token, one curve per recipe
+    vs_fixed_frontier(result)  # per recipe and seed: the best threshold minus the fixed-K frontier at equal FLOPs
     within_seed(result)     # each sampled recipe minus fixed K=3 at every test-time K, per seed
     train_more(model, samplers, steps, batch)  # notebook 04's live run: a trained chain model given more steps per sampler
 """
@@ -80,30 +81,59 @@ def fig_test_k(result: dict, hops: str = "3", title: str | None = None, chain: b
         ax.axvline(3, ls=":", c="gray")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
+    if title and not chain:  # one panel: one title
+        lm_ax.set_title(f"{title}\n(median of seeds; thin lines: each seed; axis clipped above)", fontsize=10)
+    elif title:
         fig.suptitle(title)
     fig.tight_layout()
     return fig
 
 
 def fig_frontier(result: dict, task: str = "lm", title: str | None = None) -> Figure:
-    """The adaptive exit rule's frontier per recipe: cross-entropy against mean decoder iterations per token, each threshold
-    a point, beside fixed K = 1..8 (dashed). Each point is the median over seeds of each axis on its own, so it need not
-    be any one seed's run."""
-    fig = Figure(figsize=(6.5, 4.2))
+    """The adaptive exit rule's frontier per recipe: cross-entropy against counted FLOPs per token (exit checks included),
+    each threshold a point, beside the fixed-K=3 model run at fixed K = 1..8 (black, dashed). Each point is the median over
+    seeds of each axis on its own, so it need not be any one seed's run; the fixed-K=3 recipe's points name their tau."""
+    fig = Figure(figsize=(7.5, 4.4))
     ax = fig.subplots()
-    for recipe, runs in runs_of(result, task).items():
-        ada = np.median([[(r["mean_iter"], r["ce"]) for r in run["sweep"]["adaptive"]] for run in runs], 0)
-        fix = np.median([[(r["mean_iter"], r["ce"]) for r in run["sweep"]["fixed"]] for run in runs], 0)
-        line, = ax.plot(*ada.T, "o-", label=f"{LABELS.get(recipe, recipe)}: adaptive exit")
-        ax.plot(*fix.T, "x--", c=line.get_color(), alpha=0.6, label=f"{LABELS.get(recipe, recipe)}: fixed K")
+    runs = runs_of(result, task)
+    unit = np.median([next(x for x in r["sweep"]["fixed"] if x["k"] == 3)["flops_per_token"] for r in runs["fixed_k3"]])
+    fix = np.median([[(r["flops_per_token"] / unit, r["ce"]) for r in run["sweep"]["fixed"]] for run in runs["fixed_k3"]], 0)
+    ax.plot(*fix.T, "x--", c="k", alpha=0.7, label=f"{LABELS['fixed_k3']}, run at fixed K = 1..8")
+    for k, (x, y) in enumerate(fix, 1):
+        ax.annotate(f"K={k}", (x, y), textcoords="offset points", xytext=(0, -11), fontsize=7, ha="center")
+    for recipe, rs in runs.items():
+        ada = np.median([[(r["flops_per_token"] / unit, r["ce"]) for r in run["sweep"]["adaptive"]] for run in rs], 0)
+        ax.plot(*ada.T, "o-", ms=4, label=f"{LABELS.get(recipe, recipe)}: exit rule, one point per tau")
+        if recipe == "fixed_k3":
+            for a, (x, y) in zip(rs[0]["sweep"]["adaptive"], ada):
+                ax.annotate(f"{a['tau']:g}", (x, y), textcoords="offset points", xytext=(3, 4), fontsize=6)
     ax.set(title=(title or f"{'Tiny LM' if task == 'lm' else 'Chain task'}: adaptive exit frontier by training recipe")
            + "\n(median of seeds, per axis)",
-           xlabel="mean decoder iterations per token", ylabel="cross-entropy (nats/token)")
+           xlabel="counted FLOPs per token, exit checks included (x fixed K=3)", ylabel="cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
+
+
+def vs_fixed_frontier(result: dict, task: str = "lm") -> dict[str, list[dict]]:
+    """Per recipe and seed: the threshold closest to the same seed's fixed-K=3 model run at fixed K = 1..8, by counted FLOPs
+    (checks included): `gap` = its cross-entropy minus the fixed frontier's (the lowest loss of any fixed K, linearly
+    interpolated between fixed depths) at the same FLOPs. `gap` > 0: no threshold reaches the fixed frontier."""
+    runs = runs_of(result, task)
+    front = {}
+    for r in runs["fixed_k3"]:
+        f = sorted((x["flops_per_token"], x["ce"]) for x in r["sweep"]["fixed"])
+        front[r["seed"]] = (np.array([a for a, _ in f]), np.minimum.accumulate([c for _, c in f]))
+    out = {}
+    for recipe, rs in runs.items():
+        for r in rs:
+            fl, ce = front[r["seed"]]
+            gaps = [(a["ce"] - np.interp(a["flops_per_token"], fl, ce), a) for a in r["sweep"]["adaptive"]]
+            gap, a = min(gaps, key=lambda g: g[0])
+            out.setdefault(recipe, []).append(dict(seed=r["seed"], tau=a["tau"], ce=a["ce"], gap=float(gap),
+                                                   flops_vs_k3=a["flops_per_token"] / fl[2]))
+    return out
 
 
 def within_seed(result: dict, task: str = "lm", metric: str = "ce") -> dict[str, dict]:
@@ -200,7 +230,8 @@ def fig_live(curves: dict, steps: int, title: str = "3-hop accuracy by test-time
     for j, (name, c) in enumerate(curves.items()):
         ks = range(1, len(c["acc"]) + 1)
         label = "trained at fixed K=3 (committed weights)" if name == "before" else f"+ {steps} steps, {name}"
-        ax.plot(ks, c["acc"], **styles.get(name, dict(c=f"C{j}", marker="o")), label=label)
+        ax.plot(ks, c["acc"], **styles.get(name, dict(c=f"C{j}", marker="os^"[j % 3], ms=8 - 2 * (j % 3),
+                                                         ls="-" if j % 3 < 2 else "--")), label=label)  # none hidden
     ax.axvline(3, ls="-", c="0.85", lw=3, zorder=0)
     ax.text(3.08, 0.05, "trained K", color="0.4", fontsize=8)
     ax.axhline(0.25, ls="--", c="0.7", lw=1)
