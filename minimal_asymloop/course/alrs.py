@@ -273,7 +273,8 @@ def plot_allocation(run: dict, ramp: int, last_step: int) -> Figure:
                 ax0.plot(steps, hist[n], color=line.get_color(), lw=0.6, alpha=0.35)
             ax.scatter([last["alpha"][n] for n in names], [last["multiplier"][n] for n in names], label=grp)
     ax0.set(xlabel="training step", ylabel="LR multiplier m_i", ylim=(0, 5.5),
-            title=f"Multipliers over the run (thick: group mean, colours as right):\nramped at each allocation, frozen after step {last['step'] + ramp}")
+            title="Multipliers over the run (thick: group mean, colours as right):\n"
+                  f"ramped at each allocation, frozen after step {last['step'] + ramp}")
     ax.set(xlabel="alpha (ww fit) at the last allocation", ylabel="LR multiplier m_i", ylim=(0, 5.5),
            title=f"ALRS's allocation at step {last['step']} (seed {run['seed']}, base LR {run['lr']:g}):\n"
                  "a straight line from the smallest alpha (×1) to the largest (×5)")
