@@ -53,10 +53,19 @@ def test_figures_build_with_titles_and_labels():
     s = RES["setting"]["model"]
     figs = [C.plot_esd(sp, name, (s["d_ff"], s["d_model"]), {"init": "init", "alrs": "ALRS"}), C.plot_sweep(RES),
             C.plot_controls(RES), C.plot_stable_rank(RES, ARMS5),
-            C.plot_allocation(C.runs_of(RES, "alrs", C.best_lr(RES, "alrs"))[0])]
+            C.plot_allocation(C.runs_of(RES, "alrs", C.best_lr(RES, "alrs"))[0], 5, 250)]
     for fig in figs:
         assert all(ax.get_xlabel() for ax in fig.axes) and fig.axes[0].get_ylabel()
         assert fig._suptitle is not None or all(ax.get_title() for ax in fig.axes)
+
+
+def test_allocation_trajectory_ends_at_the_last_allocation():
+    run = C.runs_of(RES, "alrs", C.best_lr(RES, "alrs"))[0]
+    last = run["alrs_records"][-1]["multiplier"]
+    thin = [ln for ln in C.plot_allocation(run, 5, 250).axes[0].lines if ln.get_linewidth() < 1]
+    assert len(thin) == len(last) and all(ln.get_xdata()[-1] == 250 for ln in thin)
+    assert sorted(round(ln.get_ydata()[-1], 9) for ln in thin) == sorted(round(m, 9) for m in last.values())
+    assert all(ln.get_ydata()[0] == 1.0 for ln in thin)  # every multiplier starts at 1 and ramps to its first target
 
 
 def test_sweep_table_prints_every_run():

@@ -255,17 +255,26 @@ def sweep_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_allocation(run: dict) -> Figure:
-    """Alpha -> multiplier at a run's last allocation, one colour per group (embedding and head pinned at the top)."""
+def plot_allocation(run: dict, ramp: int, last_step: int) -> Figure:
+    """Left: every matrix's multiplier over the run, replayed from its logged allocations (the paper's Figure 3, left);
+    right: alpha -> multiplier at the last allocation, one colour per group (embedding and head pinned at the top)."""
     from minimal_asymloop import alrs
 
+    rows = [{"alrs_step": r["step"], "alrs_multiplier": r["multiplier"]} for r in run["alrs_records"]]
+    steps, hist = alrs.multiplier_history(rows, ramp, last_step)
     last = run["alrs_records"][-1]
-    fig = Figure(figsize=(8, 4.2))
-    ax = fig.subplots()
+    fig = Figure(figsize=(12, 4.2))
+    ax0, ax = fig.subplots(1, 2)
     for grp in alrs.GROUPS:
         names = [n for n in last["alpha"] if alrs.group_of(n) == grp]
         if names:
+            line = ax0.plot(steps, np.mean([hist[n] for n in names], axis=0), lw=2, label=f"{grp} (mean)")[0]
+            for n in names:
+                ax0.plot(steps, hist[n], color=line.get_color(), lw=0.6, alpha=0.35)
             ax.scatter([last["alpha"][n] for n in names], [last["multiplier"][n] for n in names], label=grp)
+    ax0.set(xlabel="training step", ylabel="LR multiplier m_i", ylim=(0, 5.5),
+            title="Multipliers over the run (thick: group mean, colours as right):\n"
+                  f"ramped at each allocation, frozen after step {last['step'] + ramp}")
     ax.set(xlabel="alpha (ww fit) at the last allocation", ylabel="LR multiplier m_i", ylim=(0, 5.5),
            title=f"ALRS's allocation at step {last['step']} (seed {run['seed']}, base LR {run['lr']:g}):\n"
                  "a straight line from the smallest alpha (×1) to the largest (×5)")
