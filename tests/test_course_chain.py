@@ -118,3 +118,21 @@ def test_accuracy_by_hops_runs_the_batch_on_the_models_device(ctx):
             return torch.zeros(*idx.shape, len(ctx.task.chars)), None
 
     assert set(accuracy_by_hops(OnMeta(), ctx.task, n=4)) == {1, 2, 3}
+
+
+def test_table_columns_line_up_when_five_seeds_converge(ctx, capsys):
+    ctx.table(["asymloop_k3", "dense_l4"])  # both 5/5: the longest steps cells
+    head, *rows = capsys.readouterr().out.splitlines()
+    col = head.index("2-hop accuracy per seed")
+    assert all(row[col:col + 4] == "1.00" for row in rows), rows  # a too-narrow steps column shifts the per-seed ones
+
+
+def test_lr_schedule_is_warmup_then_cosine_to_a_tenth():
+    grid = chain.ChainRuns("chain_task")
+    lr = chain.lr_schedule(grid, at=(599, 5999))
+    assert lr[599] == pytest.approx(grid.setting["lr"]) and lr[5999] == pytest.approx(0.1 * grid.setting["lr"])
+
+
+def test_load_trained_names_missing_weights(ctx):
+    with pytest.raises(ValueError, match="no committed weights"):
+        chain.load_trained(ctx, keys=[("dense_l4", 0)])

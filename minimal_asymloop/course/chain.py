@@ -13,7 +13,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from minimal_asymloop import experiments as ex
+from minimal_asymloop.config import TrainConfig
 from minimal_asymloop.model import LoopedLM
+from minimal_asymloop.optim import lr_at
 from minimal_asymloop.paths import RESULTS
 from minimal_asymloop.probes import chain_lookups
 from minimal_asymloop.tasks import ChainTask, accuracy_by_hops, train_on_task
@@ -57,15 +59,16 @@ class ChainRuns:
 
     def table(self, names):
         """Per-seed accuracy on 2- and 3-hop statements (*: the run converged) and steps to converge."""
-        print(f"{'model':>22} {'depth':>5} {'params':>6} {'solved':>6} {'steps, solved seeds':>26}   "
+        steps = {n: ", ".join(f"{x:,}" for x in sorted(self.steps(n))) or "-" for n in names}
+        w = max(26, *map(len, steps.values()))  # the steps column fits its longest row
+        print(f"{'model':>22} {'depth':>5} {'params':>6} {'solved':>6} {'steps, solved seeds':>{w}}   "
               + "   ".join(f"{h}-hop accuracy per seed" for h in self.hops[1:]))
         for n in names:
-            r = self.run(n, self.seeds[0])
-            st = ", ".join(f"{x:,}" for x in sorted(self.steps(n))) or "-"
+            r, st = self.run(n, self.seeds[0]), steps[n]
             per = "   ".join(" ".join(f"{a:.2f}{'*' if ok else ' '}" for a, ok in zip(self.acc(n, h), self.solved(n)))
                            for h in self.hops[1:])
             print(f"{n:>22} {r['effective_depth']:>5} {r['params'] / 1e3:>5.0f}K {self.solved(n).sum():>4}/"
-                  f"{len(self.seeds)} {st:>26}   {per}")
+                  f"{len(self.seeds)} {st:>{w}}   {per}")
 
 
 def _seed_dots(ax, x, acc, ok, color, marker, label=None, spread=0.045):
@@ -105,10 +108,17 @@ def plot_depth(grid: ChainRuns, names) -> Figure:
                 xlim=axes[0].get_xlim())
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.suptitle(f"No depth-1-2 run converges (every hop count ≥ {grid.setting['converged']}) within "
-                 f"{max_steps:,} steps; from depth 3 on, some seeds do (filled: converged)")
+    fig.suptitle(f"Dense L=1-2 never learns even 2 hops; AsymLoop K=1 (depth 2) nears the {grid.setting['converged']} bar in "
+                 f"2 seeds; from depth 3 on, some seeds converge within {max_steps:,} steps (filled: converged)")
     fig.tight_layout()
     return fig
+
+
+def lr_schedule(grid: ChainRuns, at=(0, 599, 3000, 5999)) -> dict:
+    """The stored runs' learning rate at the given steps: optim.lr_at with the TrainConfig that train_on_task builds."""
+    cfg = TrainConfig(max_steps=grid.setting["max_steps"], lr=grid.setting["lr"], seq_len=grid.task.seq_len,
+                      global_batch=grid.setting["batch"])
+    return {s: lr_at(s, cfg) for s in at}
 
 
 def by_test_k(grid: ChainRuns, names, hop=3):
@@ -329,12 +339,15 @@ def uniform_share(qhops, h: int = 3) -> float:
 FRESH = 4321  # generator seed of the fresh programs: neither a training stream (seeds 0-4) nor the check set (1234)
 
 
-def load_trained(runs: ChainRuns, device="cpu") -> dict:
-    """The committed trained models (notebooks/results/chain_weights/), each checked against its run's recorded
-    accuracy on the check programs (a mismatch raises) and scored on fresh programs: {(name, seed): model}."""
+def load_trained(runs: ChainRuns, device="cpu", keys=None) -> dict:
+    """The committed trained models (notebooks/results/chain_weights/; only `keys`, a list of (name, seed), if given),
+    each checked against its run's recorded accuracy on the check programs (a mismatch raises) and scored on fresh
+    programs: {(name, seed): model}."""
     models = {}
     for path in sorted((RESULTS / "chain_weights").glob("*.safetensors")):
         name, seed = path.stem.rsplit("-s", 1)
+        if keys is not None and (name, int(seed)) not in keys:
+            continue
         m = LoopedLM(ex.chain_models(runs.task)[name]).eval()
         m.load_state_dict(safetensors.torch.load_file(path))
         now, then = accuracy_by_hops(m, runs.task, n=runs.setting["eval_programs"]), runs.run(name, int(seed))
@@ -346,6 +359,8 @@ def load_trained(runs: ChainRuns, device="cpu") -> dict:
               + f" on the check programs, as its run (converged after {then['steps']:,} steps); on "
               + f"{4 * runs.setting['eval_programs']:,} fresh programs " + " ".join(f"{a:.3f}" for a in fresh.values()))
         models[(name, int(seed))] = m.to(device)
+    if keys is not None and set(keys) - set(models):
+        raise ValueError(f"no committed weights for {sorted(set(keys) - set(models))}; have: {sorted(models)}")
     return models
 
 
@@ -388,8 +403,8 @@ def plot_lookups(look: dict, qhops) -> Figure:
     axes[0].set_ylabel("share of attention\n(mean over heads)")
     handles = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}  # both uniform lines
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=6, fontsize=8)
-    fig.suptitle("3-hop queries: without Local KV iteration k looks k statements back; with it, iteration 2 looks at "
-                 "j=1 again, via Local", fontsize=11)
+    fig.suptitle("3-hop queries: without Local KV iteration 1 looks at j=1, iteration 2 at j=2; with it, iteration 2 "
+                 "looks at j=1 again, via Local", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
