@@ -50,8 +50,8 @@ def chain_context(quick=False):
     side by side on one version of the code (chain_task's rows of the first, fifth and sixth were trained on an
     earlier one, and a chain run is not reproducible bit for bit across code versions: float summation order moves
     when a run escapes its plateau). Not every stored run is reproducible on its own commit either: rerun at the
-    commit that wrote chain_context.json, AsymLoop K=3 seed 1 gives 3-hop 0.857 at step 500, the stored run 0.718
-    (notebook 00 prints the three stored seed-1 curves); what produced the stored one was not recorded."""
+    commit that wrote chain_context.json, AsymLoop K=3 seed 1 gives 3-hop 0.857 at step 500, the stored run 0.718;
+    what produced the stored one was not recorded."""
     task = ChainTask(**CHAIN_TASK)
     steps, seeds = (40, common.SEEDS[:1]) if quick else (CHAIN_STEPS, common.SEEDS if common.SEEDS_SET else CHAIN_SEEDS)
     setting = chain_setting(steps)
