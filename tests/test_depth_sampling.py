@@ -252,8 +252,9 @@ def test_sampled_depth_figures_and_within_seed_differences():
     from minimal_asymloop.course import sampled_depth as fig
 
     def run(task, recipe, seed, ces):
-        fixed = [dict(k=k, mean_iter=k, ce=c, acc_by_hops={"3": 1 - c}) for k, c in enumerate(ces, 1)]
-        adaptive = [dict(tau=t, mean_iter=m, ce=c) for t, m, c in ((0.0, 3, ces[-1]), (0.1, 2.5, ces[1] - 0.1), (1.0, 1.2, ces[0]))]
+        fixed = [dict(k=k, mean_iter=k, ce=c, acc_by_hops={"3": 1 - c}, flops_per_token=1e3 * k) for k, c in enumerate(ces, 1)]
+        adaptive = [dict(tau=t, mean_iter=m, ce=c, flops_per_token=1e3 * m + 100)  # + the exit checks
+                    for t, m, c in ((0.0, 3, ces[-1]), (0.1, 2.5, ces[1] - 0.1), (1.0, 1.2, ces[0]))]
         return dict(task=task, recipe=recipe, seed=seed, sweep=dict(fixed=fixed, adaptive=adaptive))
 
     result = dict(runs=[run(t, "fixed_k3", s, [0.9, 0.6, 0.5]) for t in ("lm", "chain") for s in (0, 1)]
@@ -262,4 +263,4 @@ def test_sampled_depth_figures_and_within_seed_differences():
     assert diff["seeds"] == [0, 1] and [round(d, 6) for d in diff["diff"][1]] == [-0.1, -0.1, 0.05]
     best = fig.beats_fixed(result)["lognormal_k3"]
     assert [b["tau"] for b in best] == [0.1, 0.1] and round(best[0]["gain"], 6) == -0.1  # 0.4 at 2.5 iterations < 0.5 at K=3
-    assert fig.fig_test_k(result).axes[0].get_title() and fig.fig_frontier(result).axes[0].get_xlabel()
+    assert fig.fig_test_k(result).axes[0].get_title() and "FLOPs" in fig.fig_frontier(result).axes[0].get_xlabel()
