@@ -103,3 +103,14 @@ def test_the_competition_figure_plots_one_softmax_global_share_against_two_softm
     assert cells[:4] == [f"{math.exp(4) / (math.exp(4) + 1):.2f}", "-", f"{1 / (math.exp(4) + 1):.2f}", "-"]
     with pytest.raises(ValueError, match="must both be \\(N, 2N\\); pass one head"):
         competition_figure(scores[None], mask)
+
+
+def test_share_table_prints_each_cell_and_counts_the_cells_that_rose(capsys):
+    from minimal_asymloop.course.attention import share_table
+
+    share_table(torch.tensor([[0.5, 0.5], [0.4, 0.6]]), torch.tensor([[0.9, 0.3], [0.8, 0.7]]), "toy")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "toy" and lines[3].split() == ["k", "=", "1", "0.50", "->", "0.90", "0.50", "->", "0.30"]
+    assert lines[-1] == "mean 0.50 -> 0.68; higher after training in 3 of 4 (k, layer) cells"
+    with pytest.raises(ValueError, match="must both be \\(K, D\\)"):
+        share_table(torch.zeros(2, 2), torch.zeros(3, 2), "bad")

@@ -136,3 +136,16 @@ def definitions(path, tag: str, functions_only: bool = False) -> str:
 
     return "\n".join(ast.get_source_segment(src, node) for src in tagged for node in ast.parse(src).body
                      if not shown_only(node))
+
+
+def share_table(before: torch.Tensor, after: torch.Tensor, title: str):
+    """Print two (K, D) Global shares (probes.global_attention_share) side by side, one row per iteration k, then the
+    mean over layers and iterations and in how many (k, layer) cells the share rose."""
+    if before.shape != after.shape or before.dim() != 2:
+        raise ValueError(f"shares {tuple(before.shape)} and {tuple(after.shape)} must both be (K, D)")
+    print(f"{title}\nshare of each query's attention mass on Global KV (the rest is on Local KV): init -> trained")
+    print(" " * 8 + "".join(f"{f'layer {d}':>16}" for d in range(before.size(1))))
+    for k, (b, a) in enumerate(zip(before.tolist(), after.tolist()), start=1):
+        print(f"{f'k = {k}':>8}" + "".join(f"{f'{x:.2f} -> {y:.2f}':>16}" for x, y in zip(b, a)))
+    rose = (after > before).sum().item()
+    print(f"mean {before.mean():.2f} -> {after.mean():.2f}; higher after training in {rose} of {after.numel()} (k, layer) cells")
