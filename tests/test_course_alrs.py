@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from matplotlib.colors import to_rgb
 
 from minimal_asymloop import alrs
 from minimal_asymloop import experiments as ex
@@ -102,3 +103,20 @@ def test_takeaway_titles_follow_the_data():
     assert C.controls_title(worse) != C.controls_title(RES) and "ALRS" not in C.controls_title(worse).split(":")[1]
     assert "at 0 of the" in C.plot_sweep(worse).axes[0].get_title()
     assert "in 0 of 4 groups" in C.plot_stable_rank(worse, ARMS5).axes[0].get_title()
+
+
+def test_tail_fit_is_the_package_fit_and_counts_its_points():
+    torch.manual_seed(0)
+    e = alrs.eigenvalues(torch.randn(384, 128), torch.float64)
+    a, n = C.tail_fit(e)
+    assert a == alrs.ww_fit_alpha(e) and 1 < n < len(e)
+
+
+def test_controls_bars_are_coloured_by_their_seeds():
+    bars = [p.get_facecolor()[:3] for p in C.plot_controls(RES).axes[0].patches]
+    arms = list(C.control_arms(RES).values())
+    want = [C.VERDICTS[C.seed_verdict(C.within_seed(RES, arm, lr))][0] for arm, lr in arms]
+    assert bars == [to_rgb(c) for c in want]
+    assert C.seed_verdict(np.array([-0.1, 0.2])) == "mixed" and C.seed_verdict(np.array([0.1, 0.2])) == "worse"
+    unpinned = [lab for lab, (arm, _) in C.control_arms(RES).items()].index(C.ARM_LABELS["alrs_unpinned"])
+    assert bars[unpinned] == to_rgb("0.6")  # its seeds straddle 0: grey, not a win

@@ -88,6 +88,15 @@ def mp_edges(eigenvalues, shape: tuple[int, int]) -> tuple[float, float]:
     return sigma2 * (np.sqrt(n) - np.sqrt(m)) ** 2, sigma2 * (np.sqrt(n) + np.sqrt(m)) ** 2
 
 
+def tail_fit(eigenvalues) -> tuple[float, int]:
+    """WeightWatcher's power-law fit (as alrs.ww_fit_alpha) and the number of eigenvalues it fitted (those >= xmin)."""
+    from minimal_asymloop import alrs
+
+    e = np.sort(np.asarray(eigenvalues, dtype=np.float64))
+    alpha, _, xmin, *_ = alrs.weightwatcher_module().WeightWatcher().fit_powerlaw(e, plot=False, savefig=False)
+    return float(alpha), int((e >= xmin).sum())
+
+
 def random_beyond_edge(shape: tuple[int, int], draws: int = 2000, seed: int = 0) -> np.ndarray:
     """How many eigenvalues of WᵀW lie past mp_edges' λ+ for i.i.d. Gaussian W of this shape, one count per draw."""
     rng = np.random.default_rng(seed)
@@ -170,17 +179,26 @@ def controls_title(res: dict) -> str:
     return "Better than uniform LR at its best in every seed:\n" + (", ".join(names) or "none of the arms")
 
 
+VERDICTS = {"better": ("C2", "below uniform in every seed (better)"), "worse": ("C3", "above uniform in every seed (worse)"),
+            "mixed": ("0.6", "seeds on both sides of 0 (no clear effect)")}
+
+
+def seed_verdict(d: np.ndarray) -> str:
+    """'better' when every within-seed difference is below 0, 'worse' when every one is above, else 'mixed'."""
+    return "better" if (d < 0).all() else "worse" if (d > 0).all() else "mixed"
+
+
 def plot_controls(res: dict) -> Figure:
-    """Each arm minus uniform LR at its best, within seed: one dot per seed, the mean as a bar."""
+    """Each arm minus uniform LR at its best, within seed: one dot per seed, the mean as a bar coloured by its verdict."""
     fig = Figure(figsize=(10, 4.6))
     ax = fig.subplots()
     labels = []
     for i, (label, (arm, lr)) in enumerate(control_arms(res).items()):
         d = within_seed(res, arm, lr)
-        ax.bar(i, d.mean(), color="C2" if d.mean() < 0 else "0.6", alpha=0.6,
-               label={True: "mean below uniform (lower loss: better)", False: "mean above uniform (worse)"}[bool(d.mean() < 0)])
+        color, meaning = VERDICTS[seed_verdict(d)]
+        ax.bar(i, d.mean(), color=color, alpha=0.6, label=f"mean; {meaning}")
         ax.plot([i] * len(d), d, "ko", ms=5, label="one seed" if i == 0 else None)
-        labels.append(f"{label}\n(base LR {lr:g})".replace(", ", ",\n", 1))
+        labels.append(f"{label}\n(base LR {lr:g})".replace(", ", ",\n", 1).replace(" ALRS's mean", "\nALRS's mean"))
     ax.axhline(0, color="k", lw=1)
     ax.set_xticks(range(len(labels)), labels, fontsize=9)
     ax.set(xlabel="arm (the base LR it ran at)", ylabel="val loss − uniform at its best\n(nats/token, within seed)",
