@@ -136,3 +136,24 @@ def test_lr_schedule_is_warmup_then_cosine_to_a_tenth():
 def test_load_trained_names_missing_weights(ctx):
     with pytest.raises(ValueError, match="no committed weights"):
         chain.load_trained(ctx, keys=[("dense_l4", 0)])
+
+
+def test_answer_resolves_one_hop_per_round_and_check_rounds_counts_misses(capsys):
+    from minimal_asymloop.course import chain_build
+    assert [chain_build.answer("a=3;x=1;b=a;c=b;", r) for r in (1, 2, 3)] == [
+        ["3", "1", None, None], ["3", "1", "3", None], ["3", "1", "3", "3"]]
+    everything_at_once = lambda text, r: chain_build.answer(text, 3)  # noqa: E731 (the sequential pass: no rounds)
+    assert chain_build.check_rounds(everything_at_once, "a=3;x=1;b=a;c=b;") == 3  # b and c in round 1, c in round 2
+    assert chain_build.check_rounds(chain_build.answer, "a=3;x=1;b=a;c=b;") == 0
+    assert "2 statement(s) differ" in capsys.readouterr().out
+
+
+def test_no_chain_rule_is_scored_on_the_check_programs():
+    from minimal_asymloop.course import chain_build, tour
+    grid = chain.ChainRuns("chain_task")
+    rule = chain_build.no_chain_rule(grid)
+    assert rule == tour.frequency_rule(grid.task, n=256, seed=1234) != tour.frequency_rule(grid.task)  # not the fresh draw
+    live = {"K=1": [(125, {1: 0.5, 2: 0.5, 3: 0.5}), (1000, {1: 1.0, 2: 1.0, 3: 0.63})]}
+    ys = [tuple(line.get_ydata()) for line in chain.plot_live(live, "t", rule=rule).axes[1].get_lines()]
+    curves = [tuple(line.get_ydata()) for line in chain.plot_curves(grid, ["dense_l1"], rule=rule).axes[0].get_lines()]
+    assert (rule[3], rule[3]) in ys and (rule[3], rule[3]) in curves  # the 3-hop rule drawn on both figures

@@ -183,8 +183,9 @@ def plot_context(ctx: ChainRuns, names) -> Figure:
     return fig
 
 
-def plot_curves(runs: ChainRuns, names, h=3, title="") -> Figure:
-    """h-hop accuracy during training, one panel per model, one line per seed (dashed: not converged)."""
+def plot_curves(runs: ChainRuns, names, h=3, title="", rule: dict | None = None) -> Figure:
+    """h-hop accuracy during training, one panel per model, one line per seed (dashed: not converged); rule:
+    {hops: accuracy} of the no-chain rule on the same programs, drawn dotted."""
     fig = Figure(figsize=(min(11, 2.7 * len(names)), 3.3))
     axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
     for ax, n in zip(axes, names):
@@ -192,12 +193,16 @@ def plot_curves(runs: ChainRuns, names, h=3, title="") -> Figure:
             r = runs.run(n, s)
             steps, a = zip(*[(st, acc[str(h)]) for st, acc in r["curve"]])
             ax.plot(steps, a, "-" if r["converged"] else "--", color=f"C{j}", lw=1.4, label=f"seed {s}")
+        if rule:
+            ax.axhline(rule[h], color="k", ls=":", lw=1.2)
         ax.set(title=n, xlabel="training step", xlim=(0, runs.setting["max_steps"]), ylim=(0, 1.05))
         ax.title.set_fontsize(9)
         ax.xaxis.set_major_locator(MaxNLocator(3))
     axes[0].set_ylabel(f"{h}-hop accuracy")
     handles = [axes[0].plot([], [], "-", color=f"C{j}", label=f"seed {s}")[0] for j, s in enumerate(runs.seeds)]
-    fig.legend(handles=handles, loc="lower center", ncol=len(runs.seeds), fontsize=9)
+    if rule:
+        handles += axes[0].plot([], [], "k:", label=f"no-chain rule ({rule[h]:.2f})")
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9)
     fig.suptitle(title + " (dashed: not converged)", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
@@ -241,8 +246,9 @@ def train_live(setting: dict, variants: dict, seed: int, max_steps: int, device=
     return out
 
 
-def plot_live(live: dict, title: str, plateau: dict | None = None) -> Figure:
-    """Live 2- and 3-hop accuracy per variant; plateau: {hops: accuracy} of the guessing level, drawn dashed."""
+def plot_live(live: dict, title: str, plateau: dict | None = None, rule: dict | None = None) -> Figure:
+    """Live 2- and 3-hop accuracy per variant; plateau: {hops: accuracy} of the guessing level, drawn dashed; rule:
+    that of the no-chain rule on the same programs, drawn dotted."""
     fig = Figure(figsize=(11, 3.8))
     axes = fig.subplots(1, 2, sharey=True)
     for j, (label, curve) in enumerate(live.items()):
@@ -251,6 +257,8 @@ def plot_live(live: dict, title: str, plateau: dict | None = None) -> Figure:
     for ax, h in zip(axes, (2, 3)):
         if plateau:
             ax.axhline(plateau[h], color="0.4", ls="--", lw=1, label="plateau (Dense L = 1, section 3)")
+        if rule:
+            ax.axhline(rule[h], color="k", ls=":", lw=1.2, label="no-chain rule (notebook 00)")
         ax.set(title=f"{h}-hop statements", xlabel="training step", ylim=(0, 1.05))
     axes[0].set_ylabel("accuracy, check programs")
     axes[1].legend(fontsize=8, loc="lower right")
