@@ -108,3 +108,18 @@ def test_vs_fixed_frontier_measures_the_gap_at_equal_flops():
     best = SD.vs_fixed_frontier(toy)["fixed_k3"][0]
     assert best["tau"] == 0.01 and abs(best["gap"] - (2.9 - 3.0)) < 1e-9  # past K=3 the frontier stays at K=3's 3.0
     assert abs(SD.vs_fixed_frontier(toy)["fixed_k3"][0]["flops_vs_k3"] - 350 / 300) < 1e-9
+
+
+def test_exit_mechanism_draws_each_token_stopping_at_its_own_iteration():
+    """The schematic: a token stops at the first k >= 2 whose KL is below τ (else K_max); every iteration after its exit
+    is a grey frozen box, and the right panel draws one KL curve per token."""
+    from matplotlib.colors import to_hex
+
+    fig = C.plot_exit_mechanism(kl=([0.03], [2.1, 0.8, 0.3], [0.9, 0.05]), tau=0.1, max_iter=4)
+    grid, curve = fig.axes
+    ticks = [t.get_text() for t in grid.get_xticklabels()]
+    assert ticks == ["token 1\nexit after 2", "token 2\nexit after 4\n(K_max)", "token 3\nexit after 3"]
+    grey = [p for p in grid.patches if to_hex(p.get_facecolor()) == "#eeeeee"]
+    assert len(grey) == (4 - 2) + 0 + (4 - 3)  # frozen boxes after each exit
+    assert sum(t.get_text().endswith("(frozen)") for t in grid.texts) == 3 and len(curve.lines) == 3 + 1  # + the τ line
+    assert fig._suptitle is not None and curve.get_ylabel() and grid.get_ylabel()
