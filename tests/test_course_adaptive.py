@@ -20,6 +20,13 @@ def test_figures_build_with_titles_and_labels():
         assert fig._suptitle is not None or all(ax.get_title() for ax in fig.axes)
 
 
+def test_chain_figure_labels_the_minimum_inside_the_axes():
+    ax = C.plot_chain(RES["chain"]["runs"]).axes[0]
+    label = next(t for t in ax.texts if "minimum" in t.get_text())
+    lo, hi = ax.get_xlim()
+    assert lo < label.get_position()[0] < hi
+
+
 def test_exit_gap_is_three_hop_minus_one_hop():
     run = RES["chain"]["runs"][0]
     row = next(r for r in run["adaptive"] if r["tau"] == 0.03)
