@@ -20,6 +20,13 @@ def test_figures_build_with_titles_and_labels():
         assert fig._suptitle is not None or all(ax.get_title() for ax in fig.axes)
 
 
+def test_chain_figure_labels_the_minimum_inside_the_axes():
+    ax = C.plot_chain(RES["chain"]["runs"]).axes[0]
+    label = next(t for t in ax.texts if "minimum" in t.get_text())
+    lo, hi = ax.get_xlim()
+    assert lo < label.get_position()[0] < hi
+
+
 def test_exit_gap_is_three_hop_minus_one_hop():
     run = RES["chain"]["runs"][0]
     row = next(r for r in run["adaptive"] if r["tau"] == 0.03)
@@ -82,17 +89,16 @@ def test_train_more_scores_before_and_after_and_records_the_drawn_k():
 
 def test_live_seeds_seed1_row_is_the_live_run_and_the_lm_axis_is_clipped():
     """SD.LIVE_SEEDS[1] is what notebook 04's live cell measures (the notebook checks the seed it runs); the LM panel
-    of fig_test_k stops below the uniform recipe's seed 0, 0.8 nats behind the rest, so the medians are not squeezed."""
+    of fig_test_k stops below a seed far behind the rest (synthetic runs here), so the medians are not squeezed."""
     from minimal_asymloop.course import sampled_depth as SD
 
     before = SD.LIVE_SEEDS[1]["before"]
     seed1 = RES["chain"]["runs"][1]
     assert [round(a, 2) for a in before[:6]] == [round(r["acc_by_hops"]["3"], 2) for r in seed1["fixed"]]
-    sd = json.loads((RESULTS / "sampled_depth.json").read_text())
-    fig = SD.fig_test_k(sd, chain=False)
-    top = fig.axes[0].get_ylim()[1]
-    worst = max(r["ce"] for run in SD.runs_of(sd, "lm")["uniform_k1_5"] for r in run["sweep"]["fixed"])
-    assert len(fig.axes) == 1 and top < worst
+    runs = [dict(task="lm", recipe=recipe, seed=seed, sweep=dict(fixed=[dict(k=k, ce=5.0 + 0.01 * k + off) for k in range(1, 9)]))
+            for recipe in ("fixed_k3", "uniform_k1_5") for seed, off in enumerate((0.0, 0.02, 0.8 if recipe != "fixed_k3" else 0.04))]
+    fig = SD.fig_test_k({"runs": runs}, chain=False)
+    assert len(fig.axes) == 1 and fig.axes[0].get_ylim()[1] < 5.8  # the seed 0.8 nats behind leaves the top
 
 
 def test_vs_fixed_frontier_measures_the_gap_at_equal_flops():
@@ -108,3 +114,18 @@ def test_vs_fixed_frontier_measures_the_gap_at_equal_flops():
     best = SD.vs_fixed_frontier(toy)["fixed_k3"][0]
     assert best["tau"] == 0.01 and abs(best["gap"] - (2.9 - 3.0)) < 1e-9  # past K=3 the frontier stays at K=3's 3.0
     assert abs(SD.vs_fixed_frontier(toy)["fixed_k3"][0]["flops_vs_k3"] - 350 / 300) < 1e-9
+
+
+def test_exit_mechanism_draws_each_token_stopping_at_its_own_iteration():
+    """The schematic: a token stops at the first k >= 2 whose KL is below τ (else K_max); every iteration after its exit
+    is a grey frozen box, and the right panel draws one KL curve per token."""
+    from matplotlib.colors import to_hex
+
+    fig = C.plot_exit_mechanism(kl=([0.03], [2.1, 0.8, 0.3], [0.9, 0.05]), tau=0.1, max_iter=4)
+    grid, curve = fig.axes
+    ticks = [t.get_text() for t in grid.get_xticklabels()]
+    assert ticks == ["token 1\nexit after 2", "token 2\nexit after 4\n(K_max)", "token 3\nexit after 3"]
+    grey = [p for p in grid.patches if to_hex(p.get_facecolor()) == "#eeeeee"]
+    assert len(grey) == (4 - 2) + 0 + (4 - 3)  # frozen boxes after each exit
+    assert sum(t.get_text().endswith("(frozen)") for t in grid.texts) == 3 and len(curve.lines) == 3 + 1  # + the τ line
+    assert fig._suptitle is not None and curve.get_ylabel() and grid.get_ylabel()

@@ -100,9 +100,9 @@ def plot_chain(runs: list[dict]) -> Figure:
                     alpha=0.8, label=f"{h}-hop answers" if run is runs[0] else None)
         ax.plot([], [], m, color="0.4", ls="none", label=f"seed {run['seed']}")
     ax.axhline(2, ls=":", c="gray")
-    ax.text(ax.get_xlim()[0] * 1.1, 2.03, "the rule's minimum", color="0.4", fontsize=8)
     ax.set(xscale="log", xlabel="exit threshold τ (KL, nats)", ylabel="mean exit iteration of the answers",
            title="Harder answers stop later; every answer runs at least 2")
+    ax.text(ax.get_xlim()[0] * 1.3, 2.03, "the rule's minimum (2)", color="0.4", fontsize=8)  # on the log axis
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -149,3 +149,55 @@ def plot_exit_grid(exit_iter, hops, max_iter: int, tau: float) -> Figure:
                  "showing later tokens the Local KV of the iteration written in it")
     fig.tight_layout()
     return fig
+
+
+# the schematic's tokens: the KL of successive logit lenses, KL(p_{k-1} || p_k), after iterations k = 2, 3, ... (made up)
+SCHEMATIC_KL = ([0.03], [2.1, 0.8, 0.3], [0.9, 0.05], [0.02], [1.5, 0.4, 0.06])
+
+
+def plot_exit_mechanism(kl=SCHEMATIC_KL, tau: float = 0.1, max_iter: int = 4) -> Figure:
+    """The exit rule drawn (a schematic with made-up KL values): left, tokens (columns) × decoder iterations (rows),
+    each token running until KL(p_{k-1} || p_k) < τ or K_max, then showing later tokens its frozen Local KV, with the
+    arrows of one query reading that row, above the Global KV made once; right, each token's KL falling towards τ."""
+    settled = [next((k for k, v in enumerate(row, 2) if v < tau), None) for row in kl]
+    exits = [k or max_iter for k in settled]
+    fig = Figure(figsize=(12.5, 5))
+    grid, curve = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1.55, 1]))
+    t = len(kl)
+    grid.add_patch(_box((t - 1) / 2, 0, "#C9DDF0", width=t - 0.12))
+    grid.text((t - 1) / 2, 0, "Global KV: made once from the encoder output, read unchanged at every iteration",
+              ha="center", va="center", fontsize=9)
+    for pos, (row, j) in enumerate(zip(kl, exits)):
+        for k in range(1, max_iter + 1):
+            ran = k <= j
+            grid.add_patch(_box(pos, k, "#55A868" if ran else "#EEEEEE"))
+            text = (f"$z_{k}$, $K^L_{k}$" + ("" if k == 1 else f"\nKL {row[k - 2]:g}")) if ran else f"$K^L_{j}$ (frozen)"
+            grid.text(pos, k, text, ha="center", va="center", fontsize=8.5, color="k" if ran else "0.3")
+        grid.plot([pos - 0.44, pos + 0.44], [j + 0.43] * 2, c="C3", lw=3)  # the exit
+    q = t - 1  # the last token's query at the top iteration reads every earlier token's Local KV there
+    for pos in range(q):
+        grid.annotate("", (pos, max_iter + 0.5), (q - 0.2, max_iter + 0.5), arrowprops=dict(
+            arrowstyle="->", color="C0", lw=1.2, connectionstyle=f"arc3,rad={0.1 + 0.04 * (q - pos)}"))
+    grid.text((q - 1) / 2, max_iter + 1.25, f"token {q + 1}'s query at iteration {max_iter} reads each earlier "
+              f"token's Local KV: frozen ones give their exit iteration's", ha="center", fontsize=8, color="C0")
+    ticks = [f"token {p + 1}\nexit after {j}" + ("" if s else "\n(K_max)") for p, (j, s) in enumerate(zip(exits, settled))]
+    grid.set(xlim=(-0.6, t - 0.4), ylim=(-0.5, max_iter + 1.5), xticks=range(t), xticklabels=ticks, yticks=range(1, max_iter + 1),
+             ylabel="decoder iteration k", title=f"Each token stops at its own iteration (red bar; τ = {tau:g}, K_max = {max_iter})")
+    grid.spines[["top", "right"]].set_visible(False)
+    for pos, (row, j) in enumerate(zip(kl, exits)):
+        curve.plot(range(2, 2 + len(row)), row, "o-", color=f"C{pos}", label=f"token {pos + 1}: stops after {j}")
+    curve.axhline(tau, ls="--", c="k", lw=1)
+    curve.text(2.05, tau * 1.15, f"τ = {tau:g}: stop below", ha="left", va="bottom", fontsize=8)
+    curve.set(yscale="log", xticks=range(2, max_iter + 1), xlabel="iteration k",
+              ylabel=r"KL($p_{k-1}\,\|\,p_k$) (nats)", title="The exit signal: successive logit lenses settle")
+    curve.legend(fontsize=8, loc="upper right")
+    curve.grid(alpha=0.3)
+    fig.suptitle("The adaptive loop (schematic, made-up KL values)", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def _box(x, y, color, width=0.88):
+    from matplotlib.patches import FancyBboxPatch
+
+    return FancyBboxPatch((x - width / 2, y - 0.36), width, 0.72, boxstyle="round,pad=0.02", fc=color, ec="0.5", lw=0.8)

@@ -57,7 +57,7 @@ def fig_test_k(result: dict, hops: str = "3", title: str | None = None, chain: b
     """LM cross-entropy against test-time K and (chain=True) chain-task accuracy on `hops`-hop chains against test-time K.
     Median over seeds, thin lines each seed; the dotted line is the K every recipe averages in training. The LM axis
     stops a little above the highest median, so one seed far behind does not squeeze the rest (its line leaves the top)."""
-    fig = Figure(figsize=(11, 4) if chain else (6.5, 4))
+    fig = Figure(figsize=(11, 5.2) if chain else (8, 5.2))
     lm_ax, ch_ax = fig.subplots(1, 2) if chain else (fig.subplots(), None)
     medians, lows = [], []
     for recipe, runs in runs_of(result, "lm").items():
@@ -80,7 +80,7 @@ def fig_test_k(result: dict, hops: str = "3", title: str | None = None, chain: b
     for ax in axes:
         ax.axvline(3, ls=":", c="gray")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1 if chain else 2)
     if title and not chain:  # one panel: one title
         lm_ax.set_title(f"{title}\n(median of seeds; thin lines: each seed; axis clipped above)", fontsize=10)
     elif title:
@@ -93,7 +93,7 @@ def fig_frontier(result: dict, task: str = "lm", title: str | None = None) -> Fi
     """The adaptive exit rule's frontier per recipe: cross-entropy against counted FLOPs per token (exit checks included),
     each threshold a point, beside the fixed-K=3 model run at fixed K = 1..8 (black, dashed). Each point is the median over
     seeds of each axis on its own, so it need not be any one seed's run; the fixed-K=3 recipe's points name their tau."""
-    fig = Figure(figsize=(7.5, 4.4))
+    fig = Figure(figsize=(8, 5.6))
     ax = fig.subplots()
     runs = runs_of(result, task)
     unit = np.median([next(x for x in r["sweep"]["fixed"] if x["k"] == 3)["flops_per_token"] for r in runs["fixed_k3"]])
@@ -104,14 +104,17 @@ def fig_frontier(result: dict, task: str = "lm", title: str | None = None) -> Fi
     for recipe, rs in runs.items():
         ada = np.median([[(r["flops_per_token"] / unit, r["ce"]) for r in run["sweep"]["adaptive"]] for run in rs], 0)
         ax.plot(*ada.T, "o-", ms=4, label=f"{LABELS.get(recipe, recipe)}: exit rule, one point per tau")
-        if recipe == "fixed_k3":
+        if recipe == "fixed_k3":  # name the thresholds, skipping a point too close to one already named
+            named = []
             for a, (x, y) in zip(rs[0]["sweep"]["adaptive"], ada):
-                ax.annotate(f"{a['tau']:g}", (x, y), textcoords="offset points", xytext=(3, 4), fontsize=6)
+                if all(abs(x - u) > 0.06 * np.ptp(ada[:, 0]) or abs(y - v) > 0.06 * np.ptp(ada[:, 1]) for u, v in named):
+                    ax.annotate(f"τ={a['tau']:g}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7, color="C0")
+                    named.append((x, y))
     ax.set(title=(title or f"{'Tiny LM' if task == 'lm' else 'Chain task'}: adaptive exit frontier by training recipe")
            + "\n(median of seeds, per axis)",
            xlabel="counted FLOPs per token, exit checks included (x fixed K=3)", ylabel="cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     return fig
 
