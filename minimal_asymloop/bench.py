@@ -10,6 +10,7 @@
     python -m minimal_asymloop.bench adaptive --ckpt out/tiny-asymloop-k3   # adaptive per-token depth vs fixed K
     python -m minimal_asymloop.bench loss        # chunked linear + cross-entropy vs fp32 logits: peak memory, time
     python -m minimal_asymloop.bench depth --k 8 # truncated backprop through the loop: peak memory and time vs n (depth.py)
+    python -m minimal_asymloop.bench depth --samplers  # time per token of sampled K against fixed K = 3, side by side
 """
 
 import argparse
@@ -433,10 +434,12 @@ def main(argv=None):
         de.add_argument(flag, type=kind, default=default)
     de.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     de.add_argument("--backprop-depths", type=int, nargs="+", default=[0, 8, 4, 2, 1], help="n values (0: every iteration)")
+    de.add_argument("--samplers", action="store_true", help="instead: time per token of sampled K vs fixed K=3, side by side")
+    de.add_argument("--steps", type=int, default=30, help="with --samplers: timed steps per recipe")
     args = p.parse_args(argv)
     if args.what == "depth":
         from minimal_asymloop import depth
-        return depth.bench(args)
+        return depth.bench_samplers(args) if args.samplers else depth.bench(args)
     {"attention": bench_attention, "train": bench_train, "generate": bench_generate, "alrs": bench_alrs, "moe": bench_moe,
      "gpu": bench_gpu, "data": bench_data, "loss": bench_loss, "adaptive": bench_adaptive}[args.what](args)
 

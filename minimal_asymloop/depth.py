@@ -17,6 +17,7 @@ same seed and the same draws give the same K everywhere, no broadcast), and its 
 """
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -171,4 +172,50 @@ def bench(args):
         flops = train_flops_per_token(cfg, args.seq, backprop_depth=n or None)
         rows.append(dict(backprop_depth=n or args.k, peak_bytes=peak, step_s=seconds, train_flops_per_token=flops))
         print(f"{n or 'all':>14} {peak / 2**20:>9.1f} {seconds * 1e3:>9.0f} {flops / 1e9:>19.4f}")
+    return rows
+
+
+def bench_samplers(args):
+    """Wall time per training token with K drawn per step against fixed K = 3, measured side by side: the recipes take
+    turns step by step (round robin, each its own model and AdamW, the same init and batch), so a change in the machine's
+    load hits every recipe alike and the ratio to fixed K holds where the absolute times do not. A step is forward,
+    backward and the optimizer step at that step's K."""
+    from minimal_asymloop.model import LoopedLM, ModelConfig
+    from minimal_asymloop.system import synchronize
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfg = ModelConfig.from_preset(args.size, args.arch, n_iter=3)
+    recipes = {"fixed K=3": DepthSampler("fixed", 3), "log-normal Poisson, mean 3.024, cap 8": DepthSampler(
+        "lognormal_poisson", mean=3.024, cap=8, seed=0), "uniform 1..5": DepthSampler("uniform", lo=1, hi=5, seed=0)}
+    torch.manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
+    runs = {}
+    for name in recipes:
+        torch.manual_seed(0)
+        model = LoopedLM(cfg).to(device)
+        runs[name] = dict(model=model, opt=torch.optim.AdamW(model.parameters(), lr=1e-4), seconds=0.0, ks=[])
+    print(f"{args.arch} {args.size}, batch {args.batch} x {args.seq}, {device} fp32, {args.steps} steps per recipe, round robin")
+    for step in range(args.steps + 1):  # step 0 warms every recipe up and is not counted
+        for name, sampler in recipes.items():
+            r, k = runs[name], sampler.draw()
+            synchronize(device)
+            t0 = time.perf_counter()
+            r["opt"].zero_grad(set_to_none=True)
+            r["model"](idx, idx, n_iter=k, return_logits=False)[1].backward()
+            r["opt"].step()
+            synchronize(device)
+            if step:
+                r["seconds"] += time.perf_counter() - t0
+                r["ks"].append(k)
+    base = runs["fixed K=3"]
+    print(f"{'recipe':<38} {'mean K drawn':>12} {'us/token':>9} {'vs fixed K=3':>12} {'per iteration':>13}")
+    rows = []
+    for name, r in runs.items():
+        per_token = r["seconds"] / (args.steps * args.batch * args.seq)
+        per_iter = (r["seconds"] / sum(r["ks"])) / (base["seconds"] / sum(base["ks"]))  # the draws' luck taken out
+        rows.append(dict(recipe=name, mean_k=sum(r["ks"]) / len(r["ks"]), s_per_token=per_token,
+                         vs_fixed=r["seconds"] / base["seconds"], per_iteration_vs_fixed=per_iter))
+        print(f"{name:<38} {rows[-1]['mean_k']:>12.3f} {per_token * 1e6:>9.2f} {rows[-1]['vs_fixed']:>11.3f}x {per_iter:>12.3f}x")
     return rows

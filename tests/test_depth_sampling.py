@@ -240,12 +240,19 @@ def test_sampled_depth_experiment_reuses_cached_runs_and_lists_the_missing(monke
     (tmp_path / "chain-lognormal_k3-s1.json").write_text(json.dumps(dict(setting=setting, run=cached)))
     result = sd.sampled_depth()
     assert result["runs"] == [cached]
-    assert len(result["missing"]) == 3 * 3 * 2 - 1 and dict(task="lm", recipe="fixed_k3", seed=0) in result["missing"]
+    assert len(result["missing"]) == 3 * 3 * 2 + 3 * 3 - 1 and dict(task="lm", recipe="fixed_k3", seed=0) in result["missing"]
+    assert dict(task="finetune", recipe="uniform_k1_5", seed=3) in result["missing"]  # the fine-tune part, from seed 3's weights
     assert result["memory"]["lognormal_k3"]["peak_bytes_at_largest_k"] == 8000  # the cap sets the peak
     setting["steps"] += 1  # another setting: the cached run is not this one's
     (tmp_path / "chain-lognormal_k3-s1.json").write_text(json.dumps(dict(setting=setting, run=cached)))
     with pytest.raises(pytest.fail.Exception, match="trained a cached run"):
         sd.chain_run("lognormal_k3", 1, sd.CHAIN_STEPS)
+    ft = dict(start="asymloop_k3-s1.safetensors", steps=sd.FINETUNE_STEPS, batch=sd.CHAIN_BATCH, lr=sd.CHAIN_LR,
+              recipe=sd.RECIPES["fixed_k3"])
+    (tmp_path / "finetune-fixed_k3-s1.json").write_text(json.dumps(dict(setting=ft, run=cached)))
+    assert sd.finetune_run("fixed_k3", 1, sd.FINETUNE_STEPS) == cached  # its setting: read, not retrained
+    with pytest.raises(pytest.fail.Exception, match="trained a cached run"):
+        sd.finetune_run("fixed_k3", 1, sd.FINETUNE_STEPS + 1)
 
 
 def test_sampled_depth_figures_and_within_seed_differences():
@@ -264,3 +271,12 @@ def test_sampled_depth_figures_and_within_seed_differences():
     best = fig.beats_fixed(result)["lognormal_k3"]
     assert [b["tau"] for b in best] == [0.1, 0.1] and round(best[0]["gain"], 6) == -0.1  # 0.4 at 2.5 iterations < 0.5 at K=3
     assert fig.fig_test_k(result).axes[0].get_title() and "FLOPs" in fig.fig_frontier(result).axes[0].get_xlabel()
+
+
+def test_bench_samplers_times_every_recipe_side_by_side(capsys):
+    from minimal_asymloop.bench import main
+
+    rows = main(["depth", "--samplers", "--steps", "4", "--batch", "1", "--seq", "16"])
+    assert [r["recipe"] for r in rows][0] == "fixed K=3" and rows[0]["mean_k"] == 3 and rows[0]["vs_fixed"] == 1
+    assert all(r["s_per_token"] > 0 for r in rows) and {r["mean_k"] for r in rows[1:]} != {3.0}  # K was drawn
+    assert "per iteration" in capsys.readouterr().out
