@@ -1,6 +1,7 @@
 """Notebook 00's tables and figures (course.tour) and its closing demo (experiments.depth_demo)."""
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -157,3 +158,14 @@ def test_figures_take_reference_lines_and_the_rerun_seeds():
     res = _fake_result([0.5] * 5, [0.5] * 5, [None] * 5)
     fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "K=3 again": [(1.0, 5000, True)] * 5})
     assert [t.get_text() for t in fig.axes[1].get_xticklabels()][-1].startswith("AsymLoop K = 3\nagain")
+
+
+def test_check_seed_is_the_early_stops_and_the_rule_scores_those_programs():
+    """The no-chain rule drawn beside the training curves is scored on the curves' own check programs."""
+    from minimal_asymloop.tasks import ChainTask, accuracy_by_hops
+    assert tour.CHECK_SEED == inspect.signature(accuracy_by_hops).parameters["seed"].default
+    task = ChainTask(n_stmt=8, max_hops=3, n_vars=8, n_values=4)
+    idx, _, _ = task.batch(16, torch.Generator().manual_seed(tour.CHECK_SEED))
+    g = torch.Generator().manual_seed(tour.CHECK_SEED)  # frequency_rule walks task.program as task.batch does
+    assert [task.program(g)[0] for _ in range(16)] == [task.decode(row) for row in idx]
+    assert tour.frequency_rule(task, n=256, seed=tour.CHECK_SEED) != tour.frequency_rule(task, n=256, seed=4321)

@@ -14,6 +14,7 @@ from minimal_asymloop.model import Block, LoopedLM, ModelConfig
 
 CHANCE = 0.25  # one of the chain task's 4 values, guessed
 CONVERGED = 0.99  # a run has converged when every hop count is at least this accurate (experiments.chain)
+CHECK_SEED = 1234  # generator seed of the 256 check programs of the early stop (tasks.accuracy_by_hops' default)
 
 # The paper's Table 9 (Appendix D.1): forward GFLOPs per input position at N = 1024, V = 32128, Full Loop K = 2 and
 # AsymLoop K = 3; then the additional cost of AsymLoop in % of Full Loop: Global KV projections, global attention, total
@@ -247,7 +248,7 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
         ax.axhline(sum(init) / len(init), color="0.4", ls=":", lw=1, label="untrained (depth_demo's mean)")
         if rule:
             ax.axhline(rule[3], color="0.3", ls="--", lw=1, label=RULE_LABEL)
-    left.set_xticks(range(len(acc)), [f"AsymLoop K = {k}\n(depth {1 + k})" for k in sorted(acc)])
+    left.set_xticks(range(len(acc)), [f"AsymLoop\nK = {k}\n(depth {1 + k})" for k in sorted(acc)])  # 3 lines: no overlap
     left.set_title(f"at most {demo['setting']['steps']:,} steps (depth_demo)")
     left.set_ylabel("3-hop accuracy at the run's end\n(check programs)")
     right.legend(loc="lower right", fontsize=8, framealpha=1)

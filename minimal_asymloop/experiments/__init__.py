@@ -70,7 +70,16 @@ from minimal_asymloop.experiments.chain import (
     chain_task,
 )
 from minimal_asymloop.experiments.common import CONTEXTS, RUNS, committed, committed_rows, describe_budget, finished, train_lm, write_json
-from minimal_asymloop.experiments.depth_demo import DEMO_FRESH, DEMO_STEPS, DEMO_TASK, demo_config, demo_model, demo_train, depth_demo
+from minimal_asymloop.experiments.depth_demo import (
+    DEMO_CHECK,
+    DEMO_FRESH,
+    DEMO_STEPS,
+    DEMO_TASK,
+    demo_config,
+    demo_model,
+    demo_train,
+    depth_demo,
+)
 from minimal_asymloop.experiments.lm import (
     LM,
     MATCHED_DEPTH,
