@@ -141,3 +141,12 @@ def test_lens_title_names_the_flattest_model_and_whether_all_rise(runs):
     rise = {n: (runs.lens(n)[:, -1] - runs.lens(n)[:, runs.n_iter(n) - 1]).mean() for n in names}
     assert f"least in {min(rise, key=rise.get)}" in title
     assert ("rises in every model" in title) == (min(rise.values()) > 0)
+
+
+def test_context_figure_draws_each_variant_by_its_run_name():
+    fig = depth.context_figure(n_iter=3)
+    text = " ".join(t.get_text() for t in fig.axes[0].texts)
+    assert all(f"run: asymloop_k3{s}" in text for s in depth.CONTEXT_VARIANTS)  # the names the notebook's tables use
+    assert text.count("Dec\nk=3") == 3 and "Dec\nk=4" not in text and "$z_0=0$" in text
+    assert "Dec\nk=5" in " ".join(t.get_text() for t in depth.context_figure(n_iter=5).axes[0].texts)
+    assert plt.get_fignums() == []
