@@ -87,18 +87,26 @@ def test_train_more_scores_before_and_after_and_records_the_drawn_k():
     assert fig.axes[0].get_title() and fig.axes[0].get_xlabel() and len(fig.axes[0].get_legend().get_texts()) == 3
 
 
-def test_live_seeds_seed1_row_is_the_live_run_and_the_lm_axis_is_clipped():
-    """SD.LIVE_SEEDS[1] is what notebook 04's live cell measures (the notebook checks the seed it runs); the LM panel
-    of fig_test_k stops below a seed far behind the rest (synthetic runs here), so the medians are not squeezed."""
+def test_finetune_part_starts_converged_and_the_lm_axis_is_clipped():
+    """The fine-tune part of sampled_depth.json starts from the committed converged models (fixed K = 3 stays right at
+    the trained K = 3 and at chance at K = 1, in every seed; an untrained start fails both); fig_finetune draws one curve
+    per recipe. The LM panel of fig_test_k stops below a seed far behind the rest (synthetic runs here)."""
     from minimal_asymloop.course import sampled_depth as SD
 
-    before = SD.LIVE_SEEDS[1]["before"]
-    seed1 = RES["chain"]["runs"][1]
-    assert [round(a, 2) for a in before[:6]] == [round(r["acc_by_hops"]["3"], 2) for r in seed1["fixed"]]
+    sd = json.loads((RESULTS / "sampled_depth.json").read_text())
+    acc = SD.finetune_acc(sd)
+    assert set(acc) == {"fixed_k3", "lognormal_k3", "uniform_k1_5"} and sorted(acc["fixed_k3"]) == [0, 1, 3]
+    assert all(a[2] >= 0.99 and a[0] < 0.35 for a in acc["fixed_k3"].values())
+    fig = SD.fig_finetune(sd)
+    assert "300" in fig.axes[0].get_title() and len(fig.axes[0].get_legend().get_texts()) == 3
     runs = [dict(task="lm", recipe=recipe, seed=seed, sweep=dict(fixed=[dict(k=k, ce=5.0 + 0.01 * k + off) for k in range(1, 9)]))
             for recipe in ("fixed_k3", "uniform_k1_5") for seed, off in enumerate((0.0, 0.02, 0.8 if recipe != "fixed_k3" else 0.04))]
     fig = SD.fig_test_k({"runs": runs}, chain=False)
     assert len(fig.axes) == 1 and fig.axes[0].get_ylim()[1] < 5.8  # the seed 0.8 nats behind leaves the top
+    assert "clipped" in fig.axes[0].get_title()
+    fig = SD.fig_test_k(sd, chain=False)  # the stored LM runs: no seed far behind, so nothing clipped nor said to be
+    assert max(y for line in fig.axes[0].get_lines() for y in line.get_ydata()) < fig.axes[0].get_ylim()[1]
+    assert "clipped" not in fig.axes[0].get_title()
 
 
 def test_vs_fixed_frontier_measures_the_gap_at_equal_flops():

@@ -6,6 +6,8 @@
     vs_fixed_frontier(result)  # per recipe and seed: the best threshold minus the fixed-K frontier at equal FLOPs
     within_seed(result)     # each sampled recipe minus fixed K=3 at every test-time K, per seed
     train_more(model, samplers, steps, batch)  # notebook 04's live run: a trained chain model given more steps per sampler
+    finetune_acc(result)    # the same, precomputed for every recipe and committed model: {recipe: {seed: accuracy by K}}
+    fig_finetune(result)    # those runs' accuracy against test-time K, one curve per recipe
 """
 
 import numpy as np
@@ -13,27 +15,6 @@ from matplotlib.figure import Figure
 
 LABELS = {"fixed_k3": "fixed K=3 (the paper)", "lognormal_k3": "log-normal Poisson, E[K]=3 (Huginn)",
           "uniform_k1_5": "uniform K in 1..5"}
-
-
-# notebook 04's live cell (train_more, 60 steps, the cell's two samplers) at SEED = 0, 1 and 3, measured on a CPU:
-# 3-hop accuracy at test-time K = 1..8 on A.chain_batch(); the cell checks the row of the seed it runs against it
-LIVE_SEEDS = {
-    0: {
-        "before": [0.254, 0.948, 0.997, 0.993, 0.979, 0.972, 0.934, 0.923],
-        "fixed K=3": [0.286, 0.930, 0.983, 0.969, 0.948, 0.927, 0.902, 0.885],
-        "K drawn per step": [0.411, 0.951, 0.962, 0.969, 0.976, 0.969, 0.965, 0.958],
-    },
-    1: {
-        "before": [0.258, 0.997, 0.997, 0.986, 0.983, 0.983, 0.983, 0.983],
-        "fixed K=3": [0.251, 1.000, 1.000, 1.000, 1.000, 1.000, 0.997, 0.997],
-        "K drawn per step": [0.376, 1.000, 1.000, 1.000, 1.000, 1.000, 1.000, 1.000],
-    },
-    3: {
-        "before": [0.258, 0.986, 0.997, 0.993, 0.990, 0.983, 0.951, 0.927],
-        "fixed K=3": [0.314, 0.955, 0.972, 0.958, 0.951, 0.937, 0.916, 0.902],
-        "K drawn per step": [0.338, 0.955, 0.962, 0.958, 0.962, 0.955, 0.948, 0.944],
-    },
-}
 
 
 def runs_of(result: dict, task: str) -> dict[str, list[dict]]:
@@ -59,15 +40,17 @@ def fig_test_k(result: dict, hops: str = "3", title: str | None = None, chain: b
     stops a little above the highest median, so one seed far behind does not squeeze the rest (its line leaves the top)."""
     fig = Figure(figsize=(11, 5.2) if chain else (8, 5.2))
     lm_ax, ch_ax = fig.subplots(1, 2) if chain else (fig.subplots(), None)
-    medians, lows = [], []
+    medians, lows, highs = [], [], []
     for recipe, runs in runs_of(result, "lm").items():
         ks = [r["k"] for r in runs[0]["sweep"]["fixed"]]
         ys = [[r["ce"] for r in run["sweep"]["fixed"]] for run in runs]
         _band(lm_ax, ks, ys, recipe)
-        medians, lows = medians + list(np.median(ys, 0)), lows + [np.min(ys)]
+        medians, lows, highs = medians + list(np.median(ys, 0)), lows + [np.min(ys)], highs + [np.max(ys)]
     span = max(medians) - min(lows)
-    lm_ax.set_ylim(min(lows) - 0.05 * span, max(medians) + 0.3 * span)
-    lm_ax.set(title="Tiny LM: held-out loss vs test-time depth (axis clipped above)",
+    top = max(medians) + 0.3 * span
+    lm_ax.set_ylim(min(lows) - 0.05 * span, top)
+    clipped = max(highs) > top  # a seed far behind leaves the top of the axis
+    lm_ax.set(title="Tiny LM: held-out loss vs test-time depth" + (" (axis clipped above)" if clipped else ""),
               xlabel="test-time K (decoder iterations)", ylabel="cross-entropy (nats/token)")
     axes = [lm_ax]
     if chain:
@@ -82,7 +65,7 @@ def fig_test_k(result: dict, hops: str = "3", title: str | None = None, chain: b
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1 if chain else 2)
     if title and not chain:  # one panel: one title
-        lm_ax.set_title(f"{title}\n(median of seeds; thin lines: each seed; axis clipped above)", fontsize=10)
+        lm_ax.set_title(f"{title}\n(median of seeds; thin lines: each seed{'; axis clipped above' if clipped else ''})", fontsize=10)
     elif title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -223,6 +206,54 @@ def train_more(model, samplers: dict, steps: int, batch, lr: float = 3e-3, seed:
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def finetune_acc(result: dict, hops: str = "3") -> dict[str, dict[int, list[float]]]:
+    """{recipe: {seed: `hops`-hop accuracy at test-time K = 1..8}} of the fine-tune part (experiments.sampled_depth's
+    finetune_run: a committed chain model converged at fixed K = 3, given more steps with each recipe's K)."""
+    return {recipe: {r["seed"]: [x["acc_by_hops"][hops] for x in r["sweep"]["fixed"]] for r in rs}
+            for recipe, rs in runs_of(result, "finetune").items()}
+
+
+ARM_RECIPES = {"fixed K=3": "fixed_k3", "K drawn per step": "lognormal_k3"}  # notebook 04's live arms, by recipe
+
+
+def live_vs_stored(live: dict, result: dict, seed: int, steps: int) -> float | None:
+    """The largest |live - precomputed| 3-hop accuracy over K and notebook 04's two arms, or None where the fine-tune
+    part has no run of this seed and step count."""
+    stored = finetune_acc(result)
+    if steps != result["setting"]["finetune"]["steps"] or seed not in stored["fixed_k3"]:
+        return None
+    return max(abs(a - b) for arm, recipe in ARM_RECIPES.items() for a, b in zip(live[arm]["acc"], stored[recipe][seed]))
+
+
+def finetune_vs_fixed(result: dict, n: int, hops: str = "3") -> dict[str, dict[int, list[float]]]:
+    """{sampled recipe: {seed: (its accuracy - fixed K=3's) / one standard error of that difference, at K = 1..8}} of the
+    fine-tune part, on `n` answers (binomial s.e. sqrt((p(1-p) + q(1-q)) / n), at least 1/n so equal scores give 0)."""
+    acc = finetune_acc(result, hops)
+    se = lambda p, q: max(((p * (1 - p) + q * (1 - q)) / n) ** 0.5, 1 / n)
+    return {r: {s: [(x - f) / se(x, f) for x, f in zip(a, acc["fixed_k3"][s])] for s, a in by.items()}
+            for r, by in acc.items() if r != "fixed_k3"}
+
+
+def fig_finetune(result: dict, hops: str = "3", title: str | None = None) -> Figure:
+    """The fine-tune part: `hops`-hop accuracy against test-time K per recipe (median of the committed models, thin lines
+    each), with chance and the trained K marked."""
+    fig = Figure(figsize=(7.5, 4.6))
+    ax = fig.subplots()
+    for recipe, by_seed in finetune_acc(result, hops).items():
+        _band(ax, range(1, 1 + len(next(iter(by_seed.values())))), list(by_seed.values()), recipe)
+    steps = result["setting"]["finetune"]["steps"]
+    ax.axvline(3, ls="-", c="0.85", lw=3, zorder=0)
+    ax.text(3.08, 0.05, "trained K", color="0.4", fontsize=8)
+    ax.axhline(0.25, ls="--", c="0.7", lw=1)
+    ax.text(8, 0.27, "chance (4 values)", ha="right", color="0.4", fontsize=8)
+    ax.set(xlabel="test-time K (decoder iterations)", ylabel=f"accuracy on {hops}-hop answers", ylim=(0, 1.03),
+           title=title or f"Converged models given {steps} more steps per recipe")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
 
 
 def fig_live(curves: dict, steps: int, title: str = "3-hop accuracy by test-time depth, before and after more steps") -> Figure:
