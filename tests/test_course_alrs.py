@@ -67,6 +67,7 @@ def test_allocation_trajectory_ends_at_the_last_allocation():
     assert len(thin) == len(last) and all(ln.get_xdata()[-1] == 250 for ln in thin)
     assert sorted(round(ln.get_ydata()[-1], 9) for ln in thin) == sorted(round(m, 9) for m in last.values())
     assert all(ln.get_ydata()[0] == 1.0 for ln in thin)  # every multiplier starts at 1 and ramps to its first target
+    assert C.plot_allocation(run, 5, 250).axes[0].get_xlim() == (0, run["alrs_records"][-1]["step"] + 15)  # zoomed on the phase
 
 
 def test_sweep_table_prints_every_run():

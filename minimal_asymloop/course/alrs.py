@@ -190,7 +190,7 @@ def seed_verdict(d: np.ndarray) -> str:
 
 def plot_controls(res: dict) -> Figure:
     """Each arm minus uniform LR at its best, within seed: one dot per seed, the mean as a bar coloured by its verdict."""
-    fig = Figure(figsize=(10, 4.6))
+    fig = Figure(figsize=(12, 4.8))
     ax = fig.subplots()
     labels = []
     for i, (label, (arm, lr)) in enumerate(control_arms(res).items()):
@@ -200,7 +200,7 @@ def plot_controls(res: dict) -> Figure:
         ax.plot([i] * len(d), d, "ko", ms=5, label="one seed" if i == 0 else None)
         labels.append(f"{label}\n(base LR {lr:g})".replace(", ", ",\n", 1).replace(" ALRS's mean", "\nALRS's mean"))
     ax.axhline(0, color="k", lw=1)
-    ax.set_xticks(range(len(labels)), labels, fontsize=9)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8.5)
     ax.set(xlabel="arm (the base LR it ran at)", ylabel="val loss − uniform at its best\n(nats/token, within seed)",
            title=controls_title(res))
     handles, names = ax.get_legend_handles_labels()
@@ -281,7 +281,7 @@ def plot_allocation(run: dict, ramp: int, last_step: int) -> Figure:
     rows = [{"alrs_step": r["step"], "alrs_multiplier": r["multiplier"]} for r in run["alrs_records"]]
     steps, hist = alrs.multiplier_history(rows, ramp, last_step)
     last = run["alrs_records"][-1]
-    fig = Figure(figsize=(12, 4.2))
+    fig = Figure(figsize=(13, 4.4))
     ax0, ax = fig.subplots(1, 2)
     for grp in alrs.GROUPS:
         names = [n for n in last["alpha"] if alrs.group_of(n) == grp]
@@ -290,12 +290,13 @@ def plot_allocation(run: dict, ramp: int, last_step: int) -> Figure:
             for n in names:
                 ax0.plot(steps, hist[n], color=line.get_color(), lw=0.6, alpha=0.35)
             ax.scatter([last["alpha"][n] for n in names], [last["multiplier"][n] for n in names], label=grp)
-    ax0.set(xlabel="training step", ylabel="LR multiplier m_i", ylim=(0, 5.5),
-            title="Multipliers over the run (thick: group mean, colours as right):\n"
-                  f"ramped at each allocation, frozen after step {last['step'] + ramp}")
-    ax.set(xlabel="alpha (ww fit) at the last allocation", ylabel="LR multiplier m_i", ylim=(0, 5.5),
-           title=f"ALRS's allocation at step {last['step']} (seed {run['seed']}, base LR {run['lr']:g}):\n"
-                 "a straight line from the smallest alpha (×1) to the largest (×5)")
+    frozen = last["step"] + ramp
+    ax0.set(xlabel=f"training step (first {frozen + 2 * ramp} of {last_step}; flat after {frozen})", ylabel="LR multiplier m_i",
+            ylim=(0, 5.5), xlim=(0, frozen + 2 * ramp))
+    ax0.set_title("Multipliers over the allocation phase\n(thick: group mean; colours as right)", fontsize=10)
+    ax.set(xlabel="alpha (ww fit) at the last allocation", ylabel="LR multiplier m_i", ylim=(0, 5.5))
+    ax.set_title(f"Allocation at step {last['step']} (seed {run['seed']}, base LR {run['lr']:g}):\n"
+                 "a line from the smallest alpha (×1) to the largest (×5)", fontsize=10)
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
