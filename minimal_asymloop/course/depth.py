@@ -21,8 +21,8 @@ from minimal_asymloop.paths import RESULTS
 from minimal_asymloop.probes import logit_lens
 
 # The paper (Liang et al., 2026), 60M models, 1.68B tokens. Validation perplexity unless said otherwise.
-# Table 3 (matched depth). Section 3.3: "We use the layerwise learning-rate method of He et al. (2026) to train
-# AsymLoop" (ALRS), yet its numbers match neither the uniform-LR nor the ALRS/layerwise rows of Tables 4a and 8.
+# Table 3 (matched depth): the table names no learning-rate recipe. Section 3.3: "We use the layerwise learning-rate
+# method of He et al. (2026) to train AsymLoop" (ALRS), yet its numbers match no uniform-LR or ALRS row of Tables 4a/8.
 TABLE3 = {"dense": 23.72, "asymloop_k1": 21.79, "full_loop_k2": 23.03, "asymloop_k3": 21.45, "full_loop_k3": 22.77,
           "asymloop_k5": 21.30}
 # Table 7 (context access, K=3; Full Loop K=2): QKNorm and uniform LR in every model.
@@ -30,11 +30,9 @@ TABLE7 = {"asymloop_k3": 24.727, "asymloop_k3_no_global": 25.566, "asymloop_k3_a
 # Table 4 (a), uniform-LR rows at K=3 and K=5: AsymLoop, "w/o Global KV" and "w/o Local KV".
 TABLE4A = {3: {"asymloop": 24.727, "no_global": 25.566, "no_local": 25.656},
            5: {"asymloop": 24.619, "no_global": 25.751, "no_local": 25.465}}
-# Uniform LR, validation CE: AsymLoop from Table 6 (QKNorm), Dense and Full Loop from Table 8's "Uniform" rows
-# (Appendix C.3's "Dense, Full Loop, and AsymLoop without QKNorm" leaves open whether those two use QKNorm).
-# Table 8's Full Loop K=2 (PPL 25.571) is not Table 7's (25.053); the paper does not say why.
-UNIFORM_CE = {"asymloop_k1": 3.238735, "asymloop_k3": 3.207915, "asymloop_k5": 3.203515,
-              "dense": 3.271820, "full_loop_k2": 3.241455, "full_loop_k3": 3.229346}
+# Table 8 ("under a common evaluation protocol"), uniform LR, CE: its AsymLoop rows are "w/o QKNorm" (Table 4a's
+# 24.984 at K=3); whether its Full Loop rows use QKNorm it does not say (K=2: 25.571 here, 25.053 in Table 7).
+TABLE8_CE = {"asymloop_k3": 3.218239, "asymloop_k5": 3.205305, "full_loop_k2": 3.241455, "full_loop_k3": 3.229346}
 # Table 6: G(K) = validation CE without Global KV minus with it (nats/token), QKNorm and uniform LR.
 TABLE6 = {1: 0.021611, 3: 0.033343, 5: 0.044968}
 PAIRS = [("dense", "asymloop_k1"), ("full_loop_k2", "asymloop_k3"), ("full_loop_k3", "asymloop_k5")]
@@ -85,9 +83,9 @@ class LMRuns:
         for r in (self.md, self.gk):
             new = [x for x in r["runs"] if (x["name"], x["seed"]) not in seen]
             seen |= {(x["name"], x["seed"]) for x in r["runs"]}
-            print(f"  {r['command']}: {len(r['runs'])} runs, {len(new)} not in the line above "
-                  f"({sum(x['seconds'] for x in new) / 60:.0f} min of training on one thread of a shared 2-core CPU)")
-        print(f"the paper's 60M models: 1.68B tokens = {paper_tokens_per_param():.1f} tokens/param")
+            reused = f", {len(r['runs']) - len(new)} of them reused from the line above" if len(new) < len(r["runs"]) else ""
+            print(f"  {r['command']}: {len(r['runs'])} runs{reused}; {len(new)} trained "
+                  f"({sum(x['seconds'] for x in new) / 60:.0f} min on one thread of a shared 2-core CPU)")
 
 
 def ms(x, f="+.3f"):
@@ -97,18 +95,19 @@ def ms(x, f="+.3f"):
 def paper_matched(base: str, asym: str) -> dict:
     """The paper's AsymLoop minus baseline (ln PPL ratio = ΔCE) for one pair, by source; None where it has no run."""
     t7 = math.log(TABLE7[asym] / TABLE7[base]) if base in TABLE7 and asym in TABLE7 else None
-    return {"Table 3": math.log(TABLE3[asym] / TABLE3[base]), "Tables 6+8": UNIFORM_CE[asym] - UNIFORM_CE[base],
-            "Table 7": t7}
+    t6 = -TABLE6[1] if (base, asym) == ("dense", "asymloop_k1") else None  # Table 6, K=1: w/o Global KV is Dense
+    t8 = TABLE8_CE[asym] - TABLE8_CE[base] if base in TABLE8_CE and asym in TABLE8_CE else None
+    return {"Table 3": math.log(TABLE3[asym] / TABLE3[base]), "Table 6": t6, "Table 7": t7, "Table 8": t8}
 
 
 def matched_depth(runs: LMRuns) -> dict:
-    """Print AsymLoop minus its matched-depth baseline, within seed, beside the paper's three sources for the pair;
+    """Print AsymLoop minus its matched-depth baseline, within seed, beside the paper's differences within one table;
     return {(baseline, asymloop): per-seed differences}."""
     diffs = {(b, a): runs.loss(a) - runs.loss(b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
     print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better). Paper: 60M, 17.6 "
-          "tokens/param;\n  Table 3: ALRS (Section 3.3), but matches no ALRS row | Tables 6+8: uniform LR, CE of Table 6's AsymLoop minus "
-          "Table 8's baseline | Table 7: uniform LR, QKNorm")
-    print(f"{'pair (our depth)':>32} | {'Table 3':>7} | {'Tables 6+8':>10} | {'Table 7':>7} | "
+          "tokens/param, each difference within one table;\n  Table 3: recipe not stated in the table | "
+          "Table 6 (K=1: w/o Global KV = Dense) and Table 7: uniform LR, QKNorm | Table 8: uniform LR, AsymLoop w/o QKNorm")
+    print(f"{'pair (our depth)':>32} | {'Table 3':>7} | {'Table 6':>7} | {'Table 7':>7} | {'Table 8':>7} | "
           f"{'ours: uniform, ' + format(runs.tpp, '.1f') + ' tok/param':>26} | per seed")
     for base, asym in PAIRS:
         depth = runs.runs[(asym, runs.seeds[0])]["effective_depth"] if runs.have(asym) else "?"
@@ -116,14 +115,14 @@ def matched_depth(runs: LMRuns) -> dict:
         d = diffs.get((base, asym))
         ours = ms(d) if d is not None else "not run"
         per = " ".join(f"{x:+.3f}" for x in d) if d is not None else ""
-        print(f"{asym + ' - ' + base + f' ({depth})':>32} | {p['Table 3']:>7} | {p['Tables 6+8']:>10} | "
-              f"{p['Table 7']:>7} | {ours:>26} | {per}")
+        print(f"{asym + ' - ' + base + f' ({depth})':>32} | {p['Table 3']:>7} | {p['Table 6']:>7} | "
+              f"{p['Table 7']:>7} | {p['Table 8']:>7} | {ours:>26} | {per}")
     return diffs
 
 
 def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
     """Left: validation loss against effective depth. Right: AsymLoop minus its baseline, one dot per seed, beside
-    the paper's uniform-LR differences (Tables 6+8, Table 7) and Table 3 (ALRS by Section 3.3)."""
+    the paper's uniform-LR differences (Tables 6, 7, 8) and Table 3 (recipe not stated), each within one table."""
     fig = Figure(figsize=(11, 4.4))
     axes = fig.subplots(1, 2)
     ax = axes[0]
@@ -143,11 +142,14 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
     for i, ((base, asym), d) in enumerate(diffs.items()):
         ax.plot([i - 0.1] * len(d), d, "o", color="tab:blue", ms=7, alpha=0.7, label="ours, each seed" if i == 0 else None)
         p = paper_matched(base, asym)
-        ax.plot(i + 0.1, p["Tables 6+8"], "D", color="k", ms=7, label="paper, Tables 6+8 (uniform LR)" if i == 0 else None)
+        if p["Table 6"] is not None:
+            ax.plot(i + 0.1, p["Table 6"], "D", color="k", ms=7, label="paper, Table 6 (uniform LR, QKNorm)")
         if p["Table 7"] is not None:
-            ax.plot(i + 0.1, p["Table 7"], "s", color="k", mfc="w", ms=8, label="paper, Table 7 (uniform LR)")
+            ax.plot(i + 0.1, p["Table 7"], "s", color="k", mfc="w", ms=8, label="paper, Table 7 (uniform LR, QKNorm)")
+        if p["Table 8"] is not None:
+            ax.plot(i + 0.1, p["Table 8"], "v", color="k", ms=8, label="paper, Table 8 (uniform LR)" if i == 1 else None)
         ax.plot(i + 0.1, p["Table 3"], "x", color="0.5", ms=8, mew=2,
-                label="paper, Table 3 (ALRS, Section 3.3)" if i == 0 else None)
+                label="paper, Table 3 (recipe not stated)" if i == 0 else None)
     ax.axhline(0, color="0.6", lw=0.8)
     ax.set_xticks(range(len(diffs)), [f"{a}\n− {b}" for b, a in diffs], fontsize=9)
     ax.set(xlim=(-0.5, len(diffs) - 0.5), ylabel="AsymLoop − baseline, within seed\n(nats/token; below 0: AsymLoop better)",
@@ -249,25 +251,30 @@ def plot_gain(runs: LMRuns, g: dict) -> Figure:
     return fig
 
 
+def train_gap(runs: LMRuns, name, ref, seed, window=20) -> np.ndarray:
+    """Training loss of `name` minus `ref`'s in one seed, each averaged over the `window` steps up to step window..end."""
+    def smooth(n):
+        return np.convolve([x[1] for x in runs.runs[(n, seed)]["train_loss"]], np.ones(window) / window, mode="valid")
+    return smooth(name) - smooth(ref)
+
+
 def plot_gaps(runs: LMRuns, names, ref="asymloop_k3", window=20) -> Figure:
     """Training loss of each model minus `ref`'s in the same seed (same batches), smoothed over `window` steps."""
-    def smooth(n, s):
-        return np.convolve([x[1] for x in runs.runs[(n, s)]["train_loss"]], np.ones(window) / window, mode="valid")
     fig = Figure(figsize=(11, 3.8))
     axes = fig.subplots(1, len(runs.seeds), sharey=True)
     for ax, s in zip(axes, runs.seeds):
-        base = smooth(ref, s)
         for j, n in enumerate(names):
-            ax.plot(np.arange(window, window + len(base)), smooth(n, s) - base, color=COLOR[n], label=n,
+            gap = train_gap(runs, n, ref, s, window)
+            ax.plot(np.arange(window, window + len(gap)), gap, color=COLOR[n], label=n,
                     ls="--" if "additive" in n else "-", lw=2.4 if "no_global" in n else 1.4, zorder=3 - j)
         ax.axhline(0, color="0.6", lw=0.8)
         ax.axvline(runs.warmup(), color="0.4", ls=":", lw=1.2, label="end of LR warm-up" if s == runs.seeds[0] else None)
         ax.set(xlabel="training step", title=f"seed {s}")
     axes[0].set_ylabel(f"training loss − {ref}'s\n(nats/token)")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=9)
-    fig.suptitle(f"Training loss relative to {ref} (same seed, same batches; above 0: behind it; smoothed over the "
-                 f"{window} steps up to each point)")
-    fig.tight_layout(rect=(0, 0.17, 1, 1))
+    axes[0].legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"Training loss relative to {ref} (same seed, same batches; above 0: behind it)\n"
+                 f"each point: the mean over the {window} steps up to it")
+    fig.tight_layout()
     return fig
 
 
