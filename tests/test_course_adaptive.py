@@ -137,3 +137,34 @@ def test_exit_mechanism_draws_each_token_stopping_at_its_own_iteration():
     assert len(grey) == (4 - 2) + 0 + (4 - 3)  # frozen boxes after each exit
     assert sum(t.get_text().endswith("(frozen)") for t in grid.texts) == 3 and len(curve.lines) == 3 + 1  # + the τ line
     assert fig._suptitle is not None and curve.get_ylabel() and grid.get_ylabel()
+
+
+def test_frontier_figure_draws_the_running_minimum_and_one_label_per_group():
+    """fig_frontier's dashed line is the running minimum of the fixed-K losses (never rising), tau = 0 is left out
+    (it is fixed K = 8), and no two tau labels share a point. check_cost reads 2·d·V = 131,072 FLOPs per check and
+    393,216 per iteration off the stored LM (d = 64, V = 1,024): a third."""
+    import numpy as np
+
+    from minimal_asymloop.course import sampled_depth as SD
+
+    sd = json.loads((RESULTS / "sampled_depth.json").read_text())
+    ax = SD.fig_frontier(sd).axes[0]
+    dashed = next(line for line in ax.get_lines() if line.get_linestyle() == "--")
+    assert (np.diff(dashed.get_ydata()) <= 0).all() and len(dashed.get_ydata()) == 8
+    labels = [t for t in ax.texts if t.get_text().startswith("τ=")]
+    assert not any("τ=0," in t.get_text() or t.get_text() == "τ=0" for t in labels)
+    assert len({t.xy for t in labels}) == len(labels) and any("," in t.get_text() for t in labels)
+    check, it = SD.check_cost(sd)
+    assert (check, it) == (2 * 64 * 1024, 393216)
+
+
+def test_exit_grid_writes_the_program_under_its_columns():
+    """plot_exit_grid labels each column with the program's character, answers with their hop count too."""
+    from minimal_asymloop import adaptive as A
+
+    idx, targets, hops = A.chain_batch(1)
+    chars = C.chain_chars(idx[0])
+    assert "".join(chars).count(";") == 8 and chars[1] == "="
+    fig = C.plot_exit_grid([2] * 32, hops[0].where(targets[0] >= 0, 0), 3, 0.1, tokens=chars)
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks[0] == chars[0] and ticks[2].startswith(chars[2] + "\n") and ticks[2].endswith("h")

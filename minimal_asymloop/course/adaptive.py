@@ -128,27 +128,38 @@ def chain_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_exit_grid(exit_iter, hops, max_iter: int, tau: float) -> Figure:
+def plot_exit_grid(exit_iter, hops, max_iter: int, tau: float, tokens: list[str] | None = None) -> Figure:
     """One program's tokens (columns) × decoder iterations (rows): green where the token ran that iteration, grey
     where it had stopped, labelled with the iteration whose Local KV it shows later tokens there. `hops` (T,) is the
-    answer's hop count at answer positions and 0 elsewhere; exit_iter (T,) the iterations each token ran."""
+    answer's hop count at answer positions and 0 elsewhere; exit_iter (T,) the iterations each token ran; `tokens`
+    (T,) the program's characters (chain_chars), written under each column."""
     exit_iter, hops = np.asarray(exit_iter), np.asarray(hops)
     t = len(exit_iter)
     k = np.arange(1, max_iter + 1)[:, None]
-    fig = Figure(figsize=(min(14, 0.42 * t + 2), 3.6))
+    fig = Figure(figsize=(min(14, 0.42 * t + 2), 3.8))
     ax = fig.subplots()
     ax.imshow((k <= exit_iter[None]).astype(float), cmap=ListedColormap(["#DDDDDD", "#55A868"]), aspect="auto",
               origin="lower", extent=(-0.5, t - 0.5, 0.5, max_iter + 0.5), vmin=0, vmax=1)
     for pos in range(t):
         for it in range(exit_iter[pos] + 1, max_iter + 1):
-            ax.text(pos, it, str(exit_iter[pos]), ha="center", va="center", fontsize=7, color="#555555")
-    ax.set_xticks(range(t), [f"{h}h" if h else "" for h in hops], fontsize=7)
-    ax.set(xlabel="token position (answers marked with their hop count)", ylabel="decoder iteration",
+            ax.text(pos, it, str(exit_iter[pos]), ha="center", va="center", fontsize=9, color="#444444")
+    chars = tokens or [""] * t
+    ax.set_xticks(range(t), [f"{c}\n{h}h" if h else c for c, h in zip(chars, hops)], fontsize=9)
+    ax.set(xlabel="the program, one token per column (answers: the hop count under them)", ylabel="decoder iteration",
            yticks=range(1, max_iter + 1),
            title=f"Where each token stops (τ = {tau:g}): green = ran; grey = stopped, "
                  "showing later tokens the Local KV of the iteration written in it")
     fig.tight_layout()
     return fig
+
+
+def chain_chars(ids) -> list[str]:
+    """The characters of one chain-task program (a row of chain_batch's idx), one per position."""
+    from minimal_asymloop.experiments.chain import CHAIN_TASK
+    from minimal_asymloop.tasks import ChainTask
+
+    task = ChainTask(**CHAIN_TASK)
+    return [task.decode([i]) for i in ids.tolist()]
 
 
 # the schematic's tokens: the KL of successive logit lenses, KL(p_{k-1} || p_k), after iterations k = 2, 3, ... (made up)

@@ -74,25 +74,37 @@ def fig_test_k(result: dict, hops: str = "3", title: str | None = None, chain: b
 
 def fig_frontier(result: dict, task: str = "lm", title: str | None = None) -> Figure:
     """The adaptive exit rule's frontier per recipe: cross-entropy against counted FLOPs per token (exit checks included),
-    each threshold a point, beside the fixed-K=3 model run at fixed K = 1..8 (black, dashed). Each point is the median over
-    seeds of each axis on its own, so it need not be any one seed's run; the fixed-K=3 recipe's points name their tau."""
+    each threshold from tau = 0.0001 up a point (tau = 0 is fixed K = 8), beside the fixed-K=3 model run at fixed
+    K = 1..8 (black x) and its fixed-K frontier, the running minimum of those losses (dashed). Each point is the median
+    over seeds of each axis on its own, so it need not be any one seed's run; the fixed-K=3 recipe's points name their
+    tau, thresholds too close to tell apart sharing one label."""
     fig = Figure(figsize=(8, 5.6))
     ax = fig.subplots()
     runs = runs_of(result, task)
     unit = np.median([next(x for x in r["sweep"]["fixed"] if x["k"] == 3)["flops_per_token"] for r in runs["fixed_k3"]])
     fix = np.median([[(r["flops_per_token"] / unit, r["ce"]) for r in run["sweep"]["fixed"]] for run in runs["fixed_k3"]], 0)
-    ax.plot(*fix.T, "x--", c="k", alpha=0.7, label=f"{LABELS['fixed_k3']}, run at fixed K = 1..8")
+    ax.plot(*fix.T, "x", c="k", label=f"{LABELS['fixed_k3']}, run at fixed K = 1..8")
+    ax.plot(fix[:, 0], np.minimum.accumulate(fix[:, 1]), "--", c="k", alpha=0.6,
+            label="its fixed-K frontier (lowest loss at no more FLOPs)")
     for k, (x, y) in enumerate(fix, 1):
         ax.annotate(f"K={k}", (x, y), textcoords="offset points", xytext=(0, -11), fontsize=7, ha="center")
     for recipe, rs in runs.items():
-        ada = np.median([[(r["flops_per_token"] / unit, r["ce"]) for r in run["sweep"]["adaptive"]] for run in rs], 0)
-        ax.plot(*ada.T, "o-", ms=4, label=f"{LABELS.get(recipe, recipe)}: exit rule, one point per tau")
-        if recipe == "fixed_k3":  # name the thresholds, skipping a point too close to one already named
-            named = []
-            for a, (x, y) in zip(rs[0]["sweep"]["adaptive"], ada):
-                if all(abs(x - u) > 0.06 * np.ptp(ada[:, 0]) or abs(y - v) > 0.06 * np.ptp(ada[:, 1]) for u, v in named):
-                    ax.annotate(f"τ={a['tau']:g}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7, color="C0")
-                    named.append((x, y))
+        keep = [i for i, a in enumerate(rs[0]["sweep"]["adaptive"]) if a["tau"] > 0]  # tau = 0 is fixed K = 8
+        ada = np.median([[(run["sweep"]["adaptive"][i]["flops_per_token"] / unit, run["sweep"]["adaptive"][i]["ce"])
+                          for i in keep] for run in rs], 0)
+        ax.plot(*ada.T, "o-", ms=4, label=f"{LABELS.get(recipe, recipe)}: exit rule, one point per tau > 0")
+        if recipe == "fixed_k3":  # name the thresholds; neighbours too close to tell apart share a label
+            groups, span = [], np.ptp(ada, 0)
+            for i, (x, y) in zip(keep, ada):
+                near = groups and abs(x - groups[-1][1][0]) < 0.06 * span[0] and abs(y - groups[-1][1][1]) < 0.06 * span[1]
+                if near:
+                    groups[-1][0].append(i)
+                else:
+                    groups.append(([i], (x, y)))
+            for g, (ids, (x, y)) in enumerate(groups):  # alternately above and below the line
+                taus = ", ".join(f"{rs[0]['sweep']['adaptive'][i]['tau']:g}" for i in ids)
+                ax.annotate(f"τ={taus}", (x, y), textcoords="offset points", xytext=(5, 4 if g % 2 == 0 else -11),
+                            fontsize=7, color="C0")
     ax.set(title=(title or f"{'Tiny LM' if task == 'lm' else 'Chain task'}: adaptive exit frontier by training recipe")
            + "\n(median of seeds, per axis)",
            xlabel="counted FLOPs per token, exit checks included (x fixed K=3)", ylabel="cross-entropy (nats/token)")
@@ -100,6 +112,17 @@ def fig_frontier(result: dict, task: str = "lm", title: str | None = None) -> Fi
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     return fig
+
+
+def check_cost(result: dict, task: str = "lm") -> tuple[float, float]:
+    """(FLOPs of one exit check, FLOPs of one decoder iteration) per token, read off the fixed-K=3 model's counted FLOPs:
+    a threshold that runs all K_max iterations pays K_max - 1 checks over fixed K_max."""
+    sweep = runs_of(result, task)["fixed_k3"][0]["sweep"]
+    fixed, kmax = [x["flops_per_token"] for x in sweep["fixed"]], len(sweep["fixed"])
+    full = [a for a in sweep["adaptive"] if a["tau"] > 0 and a["mean_iter"] == kmax]
+    if not full:
+        raise ValueError("no threshold ran every iteration: pass a result whose smallest tau > 0 stops no token")
+    return (full[0]["flops_per_token"] - fixed[-1]) / (kmax - 1), fixed[1] - fixed[0]
 
 
 def vs_fixed_frontier(result: dict, task: str = "lm") -> dict[str, list[dict]]:
