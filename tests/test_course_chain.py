@@ -157,3 +157,47 @@ def test_no_chain_rule_is_scored_on_the_check_programs():
     ys = [tuple(line.get_ydata()) for line in chain.plot_live(live, "t", rule=rule).axes[1].get_lines()]
     curves = [tuple(line.get_ydata()) for line in chain.plot_curves(grid, ["dense_l1"], rule=rule).axes[0].get_lines()]
     assert (rule[3], rule[3]) in ys and (rule[3], rule[3]) in curves  # the 3-hop rule drawn on both figures
+
+
+def _resolve_with(text, rounds, step):  # notebook 03's resolve
+    stmts, known = [st.split("=") for st in text.split(";") if st], {}
+    for _ in range(rounds):
+        known = step(stmts, known)
+    return [known.get(lhs) for lhs, _ in stmts]
+
+
+def test_checked_keeps_a_right_step_and_falls_back_on_a_wrong_one(capsys):
+    from minimal_asymloop.course import chain_build
+
+    def one_round(stmts, known):  # the reader's unwritten stub: bind only
+        return chain_build.bind(stmts, known)
+
+    assert chain_build.checked(_resolve_with, one_round, "a=3;x=1;b=a;c=b;") is chain_build.one_round
+    assert "not yet right" in capsys.readouterr().out
+    right = lambda stmts, known: chain_build.one_round(stmts, known)  # noqa: E731
+    right.__name__ = "one_round"
+    assert chain_build.checked(_resolve_with, right, "a=3;x=1;b=a;c=b;") is right
+    assert chain.score_resolver(chain.ChainRuns("chain_task").task, lambda t, n: _resolve_with(t, n, chain_build.one_round), 3) \
+        == {1: 1.0, 2: 1.0, 3: 1.0}
+
+
+def test_pretty_names_and_program_attention_marks_the_chain(ctx):
+    from minimal_asymloop.course import chain_build
+    from minimal_asymloop.model import LoopedLM
+    assert chain.pretty("asymloop_k3_no_local") == "AsymLoop K=3 without Local KV" and chain.pretty("dense_l4") == "Dense L=4"
+    model = LoopedLM(chain.ex.chain_models(ctx.task)["asymloop_k3_no_local"]).eval()
+    fig = chain_build.plot_program_attention({"init": model}, ctx.task, seed=3)
+    assert len(fig.axes) == 3 + 1 and not plt.get_fignums()  # three iterations and the colour bar; no pyplot
+    o, x = fig.axes[0].collections  # o: j = 1, x: j = 2 of "d=0;b=0;h=0;e=h;f=1;a=f;g=e;c=d;"
+    assert [tuple(p) for p in x.get_offsets()] == [(2, 6)] and (3, 6) in [tuple(p) for p in o.get_offsets()]
+
+
+def test_depth_at_test_time_reads_only_the_solved_runs(capsys):
+    from minimal_asymloop.course import chain_build
+    grid = chain.ChainRuns("chain_task")
+    loops = [f"asymloop_k{k}" for k in range(1, 6)]
+    td = chain_build.depth_at_test_time(grid, loops)
+    solved_k2_up = sum(grid.solved(n).sum() for n in loops[1:])  # trained K >= 2: K = 2..5
+    assert len(td["at_k1"]) == solved_k2_up == 11 and len(td["at_k2"]) == solved_k2_up - grid.solved("asymloop_k2").sum()
+    assert len(td["gain"]) == 25 and "asymloop_k1" not in td["drop"]  # every run; no solved K=1 run to drop from
+    assert "AsymLoop K=2 0.045" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 notebooks/results/chain_task.json (depth) and chain_context.json (context access), a short live run, and the
 lookups of the committed trained models. Every figure is a bare matplotlib Figure (the caller's backend is kept)."""
 
+import copy
 import json
 import time
 from dataclasses import replace
@@ -24,6 +25,13 @@ STYLE = {"dense": ("k", "s", "Dense, L = 1..4"), "asymloop": ("tab:blue", "o", "
          "full_loop": ("tab:orange", "^", "Full Loop L=2, K=2")}
 LABELS = {"asymloop_k3": "Global KV", "asymloop_k3_no_global": "without\nGlobal KV", "asymloop_k3_additive": "additive",
           "asymloop_k3_no_local": "without\nLocal KV", "full_loop_k2": "Full Loop\nK=2", "dense_l4": "Dense\nL=4"}
+
+
+def pretty(name: str) -> str:
+    """A run's name as the text says it: dense_l3 -> Dense L=3, asymloop_k3_no_local -> AsymLoop K=3 without Local KV."""
+    for code, words in (("dense_l", "Dense L="), ("asymloop_k", "AsymLoop K="), ("full_loop_k", "Full Loop K=")):
+        name = name.replace(code, words)
+    return name.replace("_no_global", " without Global KV").replace("_no_local", " without Local KV").replace("_additive", " additive")
 
 
 class ChainRuns:
@@ -195,7 +203,7 @@ def plot_curves(runs: ChainRuns, names, h=3, title="", rule: dict | None = None)
             ax.plot(steps, a, "-" if r["converged"] else "--", color=f"C{j}", lw=1.4, label=f"seed {s}")
         if rule:
             ax.axhline(rule[h], color="k", ls=":", lw=1.2)
-        ax.set(title=n, xlabel="training step", xlim=(0, runs.setting["max_steps"]), ylim=(0, 1.05))
+        ax.set(title=pretty(n), xlabel="training step", xlim=(0, runs.setting["max_steps"]), ylim=(0, 1.05))
         ax.title.set_fontsize(9)
         ax.xaxis.set_major_locator(MaxNLocator(3))
     axes[0].set_ylabel(f"{h}-hop accuracy")
@@ -300,8 +308,8 @@ def score_resolver(task: ChainTask, resolve, passes: int, n: int = 256, seed: in
 
 
 def draw_chain(text: str = "a=3;x=1;b=a;c=b;") -> Figure:
-    """The lookups a 3-hop statement needs, block by block: block 1 binds each statement's name to its right-hand
-    side; block 2 lets every 2-hop statement read the digit of the statement it names; block 3 lets the 3-hop
+    """The lookups a 3-hop statement needs, block by block: block 1 brings each statement's name to its right-hand
+    side (gray arrows); block 2 lets every 2-hop statement read the digit of the statement it names; block 3 lets the 3-hop
     statement read the now-resolved value of the statement it names."""
     stmts = [t for t in text.split(";") if t]
     fig = Figure(figsize=(10, 3.3))
@@ -313,6 +321,7 @@ def draw_chain(text: str = "a=3;x=1;b=a;c=b;") -> Figure:
         ax.text(i, 3, st + ";", ha="center", va="center", fontsize=13, family="monospace",
                 bbox=dict(boxstyle="round", fc="0.95", ec="0.5"))
         ax.text(i, 2.35, f"value {env[lhs]}", ha="center", fontsize=9, color="0.3")
+        ax.annotate("", xy=(i - 0.22, 2.68), xytext=(i + 0.05, 2.68), arrowprops=dict(arrowstyle="->", color="0.5", lw=1.5))
     names = {st.split("=")[0]: i for i, st in enumerate(stmts)}
     for level, st in enumerate(stmts):
         rhs = st.split("=")[1]
@@ -324,11 +333,12 @@ def draw_chain(text: str = "a=3;x=1;b=a;c=b;") -> Figure:
                                                                           connectionstyle="arc3,rad=0.3"))
             ax.text((level + j) / 2, y - 0.42, f"block {hop}: '{st}' reads the value of '{stmts[j]}'", ha="center",
                     fontsize=9, color=f"C{hop - 2}")
-    ax.text(-0.4, 0.15, "block 1: each right-hand side takes in its statement's name (two tokens back): the key a later "
-            "lookup matches", fontsize=9, color="0.3")
+    ax.text(-0.4, 0.15, "block 1 (gray arrows): each right-hand side takes in its statement's name (two tokens back): the key "
+            "a later lookup matches", fontsize=9, color="0.3")
     ax.set(xlim=(-0.6, len(stmts) - 0.4), ylim=(0, 3.5))
     ax.axis("off")
-    ax.set_title("A k-hop statement needs k blocks in sequence (one way to do it): bind, then one lookup per hop after the first",
+    ax.set_title("One construction: a k-hop statement (k >= 2) in k blocks: names to right-hand sides, then one lookup "
+                 "per hop after the first",
                  fontsize=10)
     fig.tight_layout()
     return fig
@@ -375,7 +385,7 @@ def load_trained(runs: ChainRuns, device="cpu", keys=None) -> dict:
 def lookups(runs: ChainRuns, models: dict) -> tuple[dict, torch.Tensor]:
     """chain_lookups of every model on the check programs (the accuracy checks' fixed draw), and each query's hop count."""
     idx, _, hops = runs.task.batch(runs.setting["eval_programs"], torch.Generator().manual_seed(1234))
-    return {key: chain_lookups(m.cpu(), runs.task, idx) for key, m in models.items()}, hops[:, 2::4]
+    return {key: chain_lookups(copy.deepcopy(m).cpu(), runs.task, idx) for key, m in models.items()}, hops[:, 2::4]
 
 
 def shares(lk: dict, qhops, h: int) -> np.ndarray:

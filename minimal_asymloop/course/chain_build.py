@@ -1,7 +1,15 @@
-"""Notebook 03's build of the one-lookup-per-round resolver: the package's answer after r rounds on a small program,
-the check of the reader's version against it, and the score of a rule that follows no chain (the plateau's reference)."""
+"""Notebook 03's build of the one-lookup-per-round resolver (the package's answer after r rounds on a small program,
+the check of the reader's version against it, the reference steps), the score of a rule that follows no chain (the
+plateau's reference), and one program's attention, statement by statement, at every decoder iteration."""
 
+import copy
+
+import torch
+from matplotlib.figure import Figure
+
+from minimal_asymloop.course import chain
 from minimal_asymloop.course.tour import frequency_rule
+from minimal_asymloop.probes import attention_maps, chain_back
 from minimal_asymloop.tasks import solve
 
 
@@ -26,7 +34,85 @@ def check_rounds(resolve, text: str, rounds=(1, 2, 3)) -> int:
     return wrong
 
 
+def bind(stmts, known):
+    """The reference round 1: a statement whose right-hand side is a digit takes that digit."""
+    return {**known, **{lhs: rhs for lhs, rhs in stmts if rhs.isdigit()}}
+
+
+def one_round(stmts, known):
+    """The reference round: bind, then every statement naming a variable that `known` (the last round) holds takes its value."""
+    new = bind(stmts, known)
+    for lhs, rhs in stmts:
+        if rhs in known:
+            new[lhs] = known[rhs]
+    return new
+
+
+def checked(resolve, step, text: str, rounds=(1, 2, 3)):
+    """The reader's `step` if resolve(text, r, step) matches the package's answer for every r, else this module's
+    reference of the same name (said in one line), so that the cells below run either way."""
+    if check_rounds(lambda t, r: resolve(t, r, step), text, rounds) == 0:
+        print(f"your {step.__name__} passes: the cells below use it")
+        return step
+    print(f"not yet right: the cells below use the reference chain_build.{step.__name__}; write yours and run the cell again")
+    return globals()[step.__name__]
+
+
 def no_chain_rule(runs) -> dict[int, float]:
     """{hops: accuracy} of notebook 00's no-chain rule (a variable gets the digit assigned most often so far in its
     program) on the runs' check programs: the draw that their curves and stored accuracies are measured on."""
     return frequency_rule(runs.task, n=runs.setting["eval_programs"], seed=1234)
+
+
+def plot_program_attention(models: dict, task, seed: int = 3) -> Figure:
+    """One program (task.batch's draw from `seed`), one row per model {label: model}, one panel per decoder iteration:
+    the share of each right-hand side's attention on every statement (its 4 tokens, both halves summed, mean over the
+    heads of decoder layer 0). Markers: o the statement j = 1 hop back along the query's chain, x j = 2."""
+    idx = task.batch(1, torch.Generator().manual_seed(seed))[0]
+    text, back = task.decode(idx[0]), chain_back(task, idx)[0]  # back: (S, J)
+    stmts = [text[i:i + 4] for i in range(0, len(text), 4)]
+    n_iter = next(iter(models.values())).config.n_iter
+    fig = Figure(figsize=(3.3 * n_iter + 0.8, 3.1 * len(models)))
+    axes = fig.subplots(len(models), n_iter, squeeze=False)
+    for row, (label, model) in zip(axes, models.items()):
+        with torch.no_grad():
+            a = attention_maps(copy.deepcopy(model).cpu(), idx)[:, 0, 0].mean(1)  # (K, N, 2N), mean over heads
+        a = a.unflatten(-1, (2, -1)).sum(-2)[:, 2::4].unflatten(-1, (-1, 4)).sum(-1)  # (K, S queries, S statements)
+        for k, ax in enumerate(row):
+            im = ax.imshow(a[k].numpy(), vmin=0, vmax=1, cmap="Greys")
+            for j, mark in ((1, "o"), (2, "x")):
+                s = (back[:, j] >= 0).nonzero().flatten()
+                style = {"facecolors": "none", "edgecolors": "tab:red"} if mark == "o" else {"c": "tab:red"}
+                ax.scatter(back[s, j], s, marker=mark, s=40, **style)
+            ax.set(xticks=range(len(stmts)), yticks=range(len(stmts)), title=f"iteration {k + 1}")
+            ax.set_xticklabels(stmts, family="monospace", fontsize=7, rotation=90)
+            ax.set_yticklabels(stmts if k == 0 else [], family="monospace", fontsize=7)
+            ax.title.set_fontsize(9)
+        row[0].set_ylabel(f"{label}\nquery: right-hand side of")
+    for ax in axes[-1]:
+        ax.set_xlabel("key statement (4 tokens)")
+    fig.colorbar(im, ax=axes, shrink=0.6, label="share of attention")
+    fig.suptitle("One program: where each right-hand side looks (o: j = 1 hop back, x: j = 2)", fontsize=11)
+    return fig
+
+
+def depth_at_test_time(grid, loops) -> dict:
+    """Section 3's test-time depth, from the stored accuracies at test-time K = 1 .. trained K + 3 (3-hop, check
+    programs), printed: gain = largest rise past the trained K per run (solved and failed); at_k1 / at_k2 = solved runs
+    (trained K >= 2 / >= 3) run at K = 1 / 2; drop = per model, largest fall of a solved run within 3 iterations past K."""
+    by_k = chain.by_test_k(grid, loops)  # {(name, seed): 3-hop accuracy at test-time K = 1 .. trained K + 3}
+    K = {key: grid.run(*key)["n_iter"] for key in by_k}
+    ok = {key: grid.run(*key)["converged"] for key in by_k}
+    gain = {key: by_k[key][K[key]:].max() - by_k[key][K[key] - 1] for key in by_k}
+    drop = {n: max(by_k[key][K[key] - 1] - by_k[key][K[key]:].min() for key in by_k if key[0] == n and ok[key])
+            for n in loops if grid.solved(n).any()}
+    at_k1 = [by_k[key][0] for key in by_k if ok[key] and K[key] >= 2]
+    at_k2 = [by_k[key][1] for key in by_k if ok[key] and K[key] >= 3]
+    print(f"largest gain past the trained K: solved runs {max(g for key, g in gain.items() if ok[key]):+.3f}, failed runs "
+          f"{max(g for key, g in gain.items() if not ok[key]):+.3f}; solved runs (trained K >= 2) run at K=1: "
+          f"{min(at_k1):.2f}-{max(at_k1):.2f} on 3 hops")
+    print("largest drop past the trained K, solved runs:", ", ".join(f"{chain.pretty(n)} {d:.3f}" for n, d in drop.items()),
+          f"| solved runs trained at K >= 3, run at K=2: {min(at_k2):.2f}-{max(at_k2):.2f}")
+    seed3 = {h: " ".join(f"{grid.acc('asymloop_k1', h, k)[3]:.2f}" for k in range(1, 5)) for h in (2, 3)}
+    print(f"failed AsymLoop K=1, seed 3, at test-time K=1..4: 2-hop {seed3[2]}, 3-hop {seed3[3]}")
+    return dict(gain=list(gain.values()), drop=drop, at_k1=at_k1, at_k2=at_k2)
