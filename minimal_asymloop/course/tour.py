@@ -270,7 +270,7 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     n3, n1 = (sum(s is not None for s in steps[k]) for k in (3, 1))
     won = {n: sum(c for _, _, c in chain[n]) for n in ("asymloop_k3", "asymloop_k1") if n in chain}
     head = (f"Within 6,000 steps AsymLoop K = 3 converges in {won['asymloop_k3']}/{len(chain['asymloop_k3'])} seeds, K = 1 in "
-            f"{won['asymloop_k1']}/{len(chain['asymloop_k1'])} (right); " if len(won) == 2 else "")
+            f"{won['asymloop_k1']}/{len(chain['asymloop_k1'])} (right, two code versions); " if len(won) == 2 else "")
     fig.suptitle(f"{head}within {demo['setting']['steps']:,} steps {n3}/{len(steps[3])} and {n1}/{len(steps[1])} (left)\n"
                  f"(one dot per seed; filled: converged, every hop count ≥ {CONVERGED}, with its steps to converge)")
     fig.tight_layout()
