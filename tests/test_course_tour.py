@@ -83,7 +83,9 @@ def test_figures_build_and_count_converged_seeds():
     assert isinstance(tour.architectures_figure(), Figure)
     res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995], [500, 750, None, None, 1000])
     fig = tour.seeds_figure(res, _chain([0.5] * 5))
-    assert fig._suptitle.get_text().startswith("K = 3 converges in 3/5 seeds within 1,000 steps, K = 1 in 0/5")
+    title = fig._suptitle.get_text()  # the 6,000-step arms headline, then the 1,000-step ones
+    assert title.startswith("Within 6,000 steps AsymLoop K = 3 converges in 5/5 seeds, K = 1 in 0/5 (right, two code versions); "
+                            "within 1,000 steps 3/5 and 0/5 (left)"), title
     live = {k: dict(curve=r["curve"]) for k, r in ((1, res["runs"][0]), (3, res["runs"][5]))}
     assert len(tour.live_figure(live).axes) == 3
 

@@ -85,19 +85,19 @@ def _stack(ax, x, names, colors, title, loop=None, global_kv=None):
 
 
 def architectures_figure() -> NotebookFigure:
-    """Dense, Full Loop and AsymLoop on four physical blocks, with their effective depths."""
-    fig = NotebookFigure(figsize=(10, 5.5))
+    """Dense, Full Loop and AsymLoop on the 60M layout's six physical blocks (E = D = 3), with their effective depths."""
+    fig = NotebookFigure(figsize=(10, 6.5))
     ax = fig.subplots()
     grey, enc, dec = "0.8", COLORS["encoder"], COLORS["loop"]  # the colours of course.draw's figure
-    _stack(ax, 1.5, [f"block {i}" for i in range(4)], [grey] * 4, "Dense (L=4)\neffective depth 4")
-    _stack(ax, 5.0, [f"block {i}" for i in range(4)], [grey] * 4, "Full Loop (L=4, K=2)\neffective depth K·L = 8",
-           loop=(0, 3, "× K"))
-    _stack(ax, 9.3, ["enc 0", "enc 1", "dec 0", "dec 1"], [enc, enc, dec, dec],
-           "AsymLoop (E=2, D=2, K=3)\neffective depth E + K·D = 8", loop=(2, 3, "× K"), global_kv=(1, [2, 3]))
+    blocks = [f"block {i}" for i in range(1, 7)]
+    _stack(ax, 1.5, blocks, [grey] * 6, "Dense (L=6)\neffective depth 6")
+    _stack(ax, 5.0, blocks, [grey] * 6, "Full Loop (L=6, K=2)\neffective depth K·L = 12", loop=(0, 5, "× K"))
+    _stack(ax, 9.3, [f"enc {i}" for i in (1, 2, 3)] + [f"dec {i}" for i in (1, 2, 3)], [enc] * 3 + [dec] * 3,
+           "AsymLoop (E=3, D=3, K=3)\neffective depth E + K·D = 12", loop=(3, 5, "× K"), global_kv=(2, [3, 4, 5]))
     ax.set_xlim(-0.5, 11.5)
-    ax.set_ylim(-0.8, 4.9)
+    ax.set_ylim(-0.8, 6.4)
     ax.axis("off")
-    ax.set_title("Four physical blocks, three ways to run them\n"
+    ax.set_title("Six physical blocks (the 60M layout), three ways to run them\n"
                  "(arrows: data flow; green: weight-tied loop; orange: Global KV, computed once)")
     return fig
 
@@ -124,8 +124,8 @@ def executed_blocks(cfg: ModelConfig, n_iter: int | None = None) -> dict:
 
 
 def frequency_rule(task, n: int = 1024, seed: int = 4321) -> dict[int, float]:
-    """{hops: accuracy} of a rule that follows no chain: a statement `x=y` gets the value assigned most often so far in
-    its program (ties: the earliest), `x=3` gets 3; on n programs from the generator seed."""
+    """{hops: accuracy} of a rule that follows no chain: a statement `x=y` gets the value that literal statements
+    (`v=3`) assigned most often so far in its program (ties: the earliest), `x=3` gets 3; on n programs from the generator seed."""
     g, right = torch.Generator().manual_seed(seed), {}
     for _ in range(n):
         text, values, hops = task.program(g)
@@ -165,7 +165,7 @@ def live_figure(runs: dict, rule: dict | None = None) -> NotebookFigure:
 
 
 K_COLORS = {1: "C0", 2: "C2", 3: "C1"}
-RULE_LABEL = "no-chain rule: a literal answers itself,\nx=y the most frequent value so far"
+RULE_LABEL = "no-chain rule: a literal answers itself,\nx=y the most frequent literal so far"
 
 
 def demo_steps(result: dict) -> dict[int, list]:
@@ -259,14 +259,20 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     for i, (name, runs) in enumerate(chain.items()):
         _dots(right, i, [a for a, _, _ in runs], [s if c else None for _, s, c in runs], labels[name][1])
     right.set_xticks(range(len(chain)), [labels[n][0] for n in chain])
-    right.set_title("at most 6,000 steps (depth 2: chain_task; depth 4: chain_context)")
+    right.set_title("at most 6,000 steps, two code versions (left of the dashed line: chain_task; right: chain_context)",
+                    fontsize=9)
+    depth2 = [i for i, n in enumerate(chain) if n in ("dense_l2", "asymloop_k1")]
+    if depth2 and len(depth2) < len(chain):
+        right.axvline(max(depth2) + 0.5, color="0.5", ls="--", lw=1)
     for ax in (left, right):
         ax.set_xlim(-0.5, ax.get_xticks()[-1] + 0.5)
         ax.set_ylim(0, 1.05)
     n3, n1 = (sum(s is not None for s in steps[k]) for k in (3, 1))
-    fig.suptitle(f"K = 3 converges in {n3}/{len(steps[3])} seeds within {demo['setting']['steps']:,} steps, K = 1 in "
-                 f"{n1}/{len(steps[1])}\n(one dot per seed; filled: converged, every hop count ≥ {CONVERGED}, "
-                 "with its steps to converge)")
+    won = {n: sum(c for _, _, c in chain[n]) for n in ("asymloop_k3", "asymloop_k1") if n in chain}
+    head = (f"Within 6,000 steps AsymLoop K = 3 converges in {won['asymloop_k3']}/{len(chain['asymloop_k3'])} seeds, K = 1 in "
+            f"{won['asymloop_k1']}/{len(chain['asymloop_k1'])} (right, two code versions); " if len(won) == 2 else "")
+    fig.suptitle(f"{head}within {demo['setting']['steps']:,} steps {n3}/{len(steps[3])} and {n1}/{len(steps[1])} (left)\n"
+                 f"(one dot per seed; filled: converged, every hop count ≥ {CONVERGED}, with its steps to converge)")
     fig.tight_layout()
     return fig
 
