@@ -143,9 +143,10 @@ def test_answer_resolves_one_hop_per_round_and_check_rounds_counts_misses(capsys
     assert [chain_build.answer("a=3;x=1;b=a;c=b;", r) for r in (1, 2, 3)] == [
         ["3", "1", None, None], ["3", "1", "3", None], ["3", "1", "3", "3"]]
     everything_at_once = lambda text, r: chain_build.answer(text, 3)  # noqa: E731 (the sequential pass: no rounds)
-    assert chain_build.check_rounds(everything_at_once, "a=3;x=1;b=a;c=b;") == 3  # b and c in round 1, c in round 2
+    assert chain_build.check_rounds(everything_at_once, "a=3;x=1;b=a;c=b;", label="at_once") == 3  # b, c; then c
     assert chain_build.check_rounds(chain_build.answer, "a=3;x=1;b=a;c=b;") == 0
-    assert "2 statement(s) differ" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 statement(s) differ" in out and "1 round(s): at_once ['3'" in out and "1 round(s): yours" in out
 
 
 def test_no_chain_rule_is_scored_on_the_check_programs():

@@ -23,14 +23,15 @@ def answer(text: str, rounds: int) -> list:
     return [v if h <= rounds else None for v, h in zip(solve(text), hops.values())]
 
 
-def check_rounds(resolve, text: str, rounds=(1, 2, 3)) -> int:
-    """Print resolve(text, r) beside the package's answer for each r; return how many statements differ, all r together."""
+def check_rounds(resolve, text: str, rounds=(1, 2, 3), label: str = "yours") -> int:
+    """Print resolve(text, r), named `label`, beside the package's answer for each r; return how many statements
+    differ, all r together."""
     wrong = 0
     for r in rounds:
         got, want = resolve(text, r), answer(text, r)
         bad = sum(g != w for g, w in zip(got, want, strict=True))
         wrong += bad
-        print(f"{r} round(s): yours {got}, package {want}: {bad} statement(s) differ")
+        print(f"{r} round(s): {label} {got}, package {want}: {bad} statement(s) differ")
     return wrong
 
 
