@@ -82,10 +82,12 @@ def _chain(accs):
 def test_figures_build_and_count_converged_seeds():
     assert isinstance(tour.architectures_figure(), Figure)
     res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995], [500, 750, None, None, 1000])
-    fig = tour.seeds_figure(res, _chain([0.5] * 5))
+    again = [(1.0, 5000, True)] * 4 + [(0.5, 6000, False)]  # a later version's K = 3 runs: counted apart
+    fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "K=3 again": again})
     title = fig._suptitle.get_text()  # the 6,000-step arms headline, then the 1,000-step ones
-    assert title.startswith("Within 6,000 steps AsymLoop K = 3 converges in 5/5 seeds, K = 1 in 0/5 (right, two code versions); "
-                            "within 1,000 steps 3/5 and 0/5 (left)"), title
+    assert title.startswith("Within 6,000 steps, one code version (chain_task, right): AsymLoop K = 3 converges in 5/5 "
+                            "seeds, K = 1 in 0/5\nA later version (chain_context, right of the dashed line): K = 3 in 4/5. "
+                            "Within 1,000 steps (depth_demo, left): K = 3 in 3/5, K = 1 in 0/5"), title
     live = {k: dict(curve=r["curve"]) for k, r in ((1, res["runs"][0]), (3, res["runs"][5]))}
     assert len(tour.live_figure(live).axes) == 3
 
