@@ -136,12 +136,17 @@ def test_describe_counts_each_run_once_and_prints_the_schedule(runs, capsys):
     assert f"warm-up over steps 1-{runs.warmup()}" in out and runs.warmup() == round(0.1 * runs.setting["steps"])
 
 
-def test_lens_title_names_the_flattest_model_and_whether_all_rise(runs):
+def test_lens_title_names_the_flattest_model_and_whether_all_rise(runs, monkeypatch):
     names = ["asymloop_k3", "asymloop_k3_additive"]
     title = depth.plot_lens(runs, names).axes[0].get_title()
     rise = {n: (runs.lens(n)[:, -1] - runs.lens(n)[:, runs.n_iter(n) - 1]).mean() for n in names}
     assert f"least in {min(rise, key=rise.get)}" in title
     assert ("rises in every model" in title) == (min(rise.values()) > 0)
+    assert "Each trained iteration lowers the mean loss;" in title  # the stored means fall up to each trained K
+    flat = runs.lens("asymloop_k3").copy()
+    flat[:, 2] = flat[:, 1] + 0.01  # k = 3 worse than k = 2: a trained iteration that raises the mean loss
+    monkeypatch.setattr(runs, "lens", lambda n: flat if n == "asymloop_k3" else depth.LMRuns.lens(runs, n))
+    assert "does not always lower the mean loss" in depth.plot_lens(runs, names).axes[0].get_title()
 
 
 def test_context_figure_draws_each_variant_by_its_run_name():

@@ -189,9 +189,10 @@ def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
     least = min(rise, key=rise.get)
     verdict = ("rises in every model" if min(rise.values()) > 0 else "does not rise in every model") + \
         f", least in {least}"
+    falls = "lowers" if all((np.diff(runs.lens(n).mean(0)[:runs.n_iter(n)]) < 0).all() for n in names) else "does not always lower"
     ax.set(xlabel="iteration k whose state the head reads (★: the trained K)\n"
                   "one iteration runs 2 blocks in AsymLoop, 4 in Full Loop", ylabel="loss, held-out windows (nats/token)",
-           title=f"Each trained iteration lowers the loss; past the trained K it {verdict}\n"
+           title=f"Each trained iteration {falls} the mean loss; past the trained K it {verdict}\n"
                  f"(mean ± std over {len(runs.seeds)} seeds, {runs.tpp:.1f} tokens/param{ref})")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=9)
