@@ -8,7 +8,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minimal_asymloop.course import chain
-from minimal_asymloop.course.tour import frequency_rule
+from minimal_asymloop.course.tour import CHECK_SEED, frequency_rule
 from minimal_asymloop.probes import attention_maps, chain_back
 from minimal_asymloop.tasks import solve
 
@@ -62,7 +62,7 @@ def checked(resolve, step, text: str, rounds=(1, 2, 3)):
 def no_chain_rule(runs) -> dict[int, float]:
     """{hops: accuracy} of notebook 00's no-chain rule (a variable gets the digit assigned most often so far in its
     program) on the runs' check programs: the draw that their curves and stored accuracies are measured on."""
-    return frequency_rule(runs.task, n=runs.setting["eval_programs"], seed=1234)
+    return frequency_rule(runs.task, n=runs.setting["eval_programs"], seed=CHECK_SEED)
 
 
 def plot_program_attention(models: dict, task, seed: int = 3) -> Figure:

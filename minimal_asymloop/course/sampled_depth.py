@@ -259,6 +259,14 @@ def finetune_vs_fixed(result: dict, n: int, hops: str = "3") -> dict[str, dict[i
             for r, by in acc.items() if r != "fixed_k3"}
 
 
+def _mark_trained_k_and_chance(ax):
+    """The trained K (3) and chance on the chain task's 4 values, on an accuracy-against-test-time-K axis."""
+    ax.axvline(3, ls="-", c="0.85", lw=3, zorder=0)
+    ax.text(3.08, 0.05, "trained K", color="0.4", fontsize=8)
+    ax.axhline(0.25, ls="--", c="0.7", lw=1)
+    ax.text(8, 0.27, "chance (4 values)", ha="right", color="0.4", fontsize=8)
+
+
 def fig_finetune(result: dict, hops: str = "3", title: str | None = None) -> Figure:
     """The fine-tune part: `hops`-hop accuracy against test-time K per recipe (median of the committed models, thin lines
     each), with chance and the trained K marked."""
@@ -267,10 +275,7 @@ def fig_finetune(result: dict, hops: str = "3", title: str | None = None) -> Fig
     for recipe, by_seed in finetune_acc(result, hops).items():
         _band(ax, range(1, 1 + len(next(iter(by_seed.values())))), list(by_seed.values()), recipe)
     steps = result["setting"]["finetune"]["steps"]
-    ax.axvline(3, ls="-", c="0.85", lw=3, zorder=0)
-    ax.text(3.08, 0.05, "trained K", color="0.4", fontsize=8)
-    ax.axhline(0.25, ls="--", c="0.7", lw=1)
-    ax.text(8, 0.27, "chance (4 values)", ha="right", color="0.4", fontsize=8)
+    _mark_trained_k_and_chance(ax)
     ax.set(xlabel="test-time K (decoder iterations)", ylabel=f"accuracy on {hops}-hop answers", ylim=(0, 1.03),
            title=title or f"Converged models given {steps} more steps per recipe")
     ax.grid(alpha=0.3)
@@ -289,10 +294,7 @@ def fig_live(curves: dict, steps: int, title: str = "3-hop accuracy by test-time
         label = "trained at fixed K=3 (committed weights)" if name == "before" else f"+ {steps} steps, {name}"
         ax.plot(ks, c["acc"], **styles.get(name, dict(c=f"C{j}", marker="os^"[j % 3], ms=8 - 2 * (j % 3),
                                                          ls="-" if j % 3 < 2 else "--")), label=label)  # none hidden
-    ax.axvline(3, ls="-", c="0.85", lw=3, zorder=0)
-    ax.text(3.08, 0.05, "trained K", color="0.4", fontsize=8)
-    ax.axhline(0.25, ls="--", c="0.7", lw=1)
-    ax.text(8, 0.27, "chance (4 values)", ha="right", color="0.4", fontsize=8)
+    _mark_trained_k_and_chance(ax)
     ax.set(xlabel="test-time K (decoder iterations)", ylabel="accuracy on 3-hop answers", ylim=(0, 1.03),
            title=title)
     ax.grid(alpha=0.3)
