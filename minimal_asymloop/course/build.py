@@ -1,0 +1,22 @@
+"""The reader's build steps: a cell ships with the reader's lines unwritten; `yours_or_reference` runs the step's
+check on the reader's version and, where it fails or raises, says so in one line and hands back the package's
+reference, so that the cells after it run either way (and nbval runs the notebook as committed)."""
+
+from collections.abc import Callable
+
+
+def yours_or_reference(yours, reference, check: Callable, name: str | None = None):
+    """`yours` if check(yours) passes (returns without raising), else `reference`, with one printed line that says
+    which and why. `check` raises (AssertionError, or any error an unwritten line causes) on a wrong version. The
+    reference must pass the same check: a check that fails on it is a bug here, raised, not hidden."""
+    name = name or getattr(yours, "__name__", "your version")
+    try:
+        check(yours)
+    except Exception as e:  # noqa: BLE001 (an unwritten line raises anything: TypeError, AttributeError, ...)
+        why = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        check(reference)  # raises if the check rejects the package's own answer
+        print(f"{name}: not written yet or not right ({why}); the cells below use the reference "
+              f"{reference.__module__}.{reference.__name__}. Write yours and run this cell again.")
+        return reference
+    print(f"{name}: yours passes the check; the cells below use it")
+    return yours

@@ -1,0 +1,32 @@
+import pytest
+
+from minimal_asymloop.course.build import yours_or_reference
+
+
+def _reference(x):
+    return 2 * x
+
+
+def _check(f):
+    assert f(3) == 6, f"f(3) = {f(3)}, want 6"
+
+
+def test_a_right_version_is_kept(capsys):
+    def mine(x):
+        return x + x
+
+    assert yours_or_reference(mine, _reference, _check) is mine
+    assert "yours passes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [lambda x: x, lambda x: None + x, lambda x: ...])
+def test_a_wrong_or_unwritten_version_gets_the_reference_said_in_one_line(wrong, capsys):
+    assert yours_or_reference(wrong, _reference, _check, name="double") is _reference
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("double: not written yet or not right (")
+    assert "_reference" in out
+
+
+def test_a_check_that_rejects_the_reference_is_an_error():
+    with pytest.raises(AssertionError):
+        yours_or_reference(lambda x: x, lambda x: x + 1, _check)
