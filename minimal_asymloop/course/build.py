@@ -14,9 +14,9 @@ def yours_or_reference(yours, reference, check: Callable, name: str | None = Non
         check(yours)
     except Exception as e:  # noqa: BLE001 (an unwritten line raises anything: TypeError, AttributeError, ...)
         why = f"{type(e).__name__}: {e}".splitlines()[0][:160]
-        check(reference)  # raises if the check rejects the package's own answer
         print(f"{name}: not written yet or not right ({why}); the cells below use the reference "
               f"{reference.__module__}.{reference.__name__}. Write yours and run this cell again.")
+        check(reference)  # raises if the check rejects the package's own answer
         return reference
     print(f"{name}: yours passes the check; the cells below use it")
     return yours
