@@ -1,5 +1,5 @@
-"""Notebook 01's plumbing: small tables for the numeric trace of joint attention, and the checks that compare a
-piece built in the notebook with the package's module (and show a wrong version failing)."""
+"""Notebook 01's plumbing: small tables for the numeric trace of joint attention, the checks that compare a piece
+built in the notebook with the package's module (and show a wrong version failing), and the build's reference."""
 
 import torch
 
@@ -114,30 +114,6 @@ def plt_purples(n: int) -> list:
     return [colormaps["Purples"](0.45 + 0.5 * i / max(n - 1, 1)) for i in range(n)]
 
 
-def definitions(path, tag: str, functions_only: bool = False) -> str:
-    """The code of a notebook's cells tagged `tag` without what only prints or checks (calls of print, show, check and
-    show_failing, and `for` loops), or with functions_only its `def`s alone (none of its forward or backward passes):
-    a solutions notebook execs it to reuse the notebook's build as it is."""
-    import ast
-    import json
-    from pathlib import Path
-
-    cells = json.loads(Path(path).read_text())["cells"]
-    tagged = ["".join(c["source"]) for c in cells if c["cell_type"] == "code" and tag in c["metadata"].get("tags", [])]
-    if not tagged:
-        raise ValueError(f"no code cell of {path} is tagged {tag!r}; tag the cells to reuse in their metadata")
-
-    def shown_only(node):
-        if functions_only:
-            return not isinstance(node, ast.FunctionDef)
-        call = node.value if isinstance(node, ast.Expr) else None
-        named = isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-        return isinstance(node, ast.For) or (named and call.func.id in ("print", "show", "check", "show_failing"))
-
-    return "\n".join(ast.get_source_segment(src, node) for src in tagged for node in ast.parse(src).body
-                     if not shown_only(node))
-
-
 def share_table(before: torch.Tensor, after: torch.Tensor, title: str):
     """Print two (K, D) Global shares (probes.global_attention_share) side by side, one row per iteration k, then the
     mean over layers and iterations and in how many (k, layer) cells the share rose."""
@@ -149,3 +125,134 @@ def share_table(before: torch.Tensor, after: torch.Tensor, title: str):
         print(f"{f'k = {k}':>8}" + "".join(f"{f'{x:.2f} -> {y:.2f}':>16}" for x, y in zip(b, a)))
     rose = (after > before).sum().item()
     print(f"mean {before.mean():.2f} -> {after.mean():.2f}; higher after training in {rose} of {after.numel()} (k, layer) cells")
+
+
+# The build of notebook 01, section 4, as the package's reference: the notebook's unwritten steps (global_kv,
+# joint_softmax) fall back on these, and its solutions notebook imports them, so that an edit to the notebook does
+# not change what the solutions run. The same code as the notebook's cells; configuration read from the model.
+def trace():
+    """Section 2's hand trace: q, k_g, v_g, k_l, v_l (3 tokens, head dimension 2) and its (3, 6) scores, causal
+    (3, 3) and joint (3, 6) masks, as a dict."""
+    import math
+
+    t = dict(q=[[1., 0.], [0., 1.], [1., 1.]], k_g=[[2., 0.], [0., 1.], [1., -1.]], v_g=[[1., 0.], [0., 1.], [1., 1.]],
+             k_l=[[0., 1.], [1., 1.], [-1., 0.]], v_l=[[0., 0.], [2., 0.], [0., 2.]])
+    t = {name: torch.tensor(v, dtype=torch.float64) for name, v in t.items()}
+    t["scores"] = torch.cat([t["q"] @ t["k_g"].T, t["q"] @ t["k_l"].T], dim=1) / math.sqrt(2)
+    t["causal"] = torch.ones(3, 3, dtype=torch.bool).tril()
+    t["mask"] = torch.cat([t["causal"], t["causal"]], dim=1)
+    return t
+
+
+def tiny_model(seed: int = 0, n: int = 6):
+    """Section 4's random AsymLoop in float64 (E = D = 2, K = 3, width 16, init_std 0.25, norm scales moved from 1)
+    and two sequences of n tokens: (cfg, model, idx)."""
+    from minimal_asymloop.model import LoopedLM, ModelConfig
+
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # drawn in float64, as in the notebook (the same numbers)
+    try:
+        torch.manual_seed(seed)
+        cfg = ModelConfig(arch="asymloop", n_layer=4, n_iter=3, d_model=16, n_head=2, d_ff=32, vocab_size=32,
+                          max_seq_len=16, init_std=0.25)
+        model = LoopedLM(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:  # RMSNorm and QKNorm scales, all 1 at init
+                    p.add_(0.2 * torch.randn_like(p))
+        return cfg, model, torch.randint(0, cfg.vocab_size, (2, n))
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def rms_norm(x, g, eps: float = 1e-6):
+    return g * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def heads(x, n_head: int):  # (B, N, d) -> (B, n_head, N, hd)
+    return x.view(x.size(0), x.size(1), n_head, -1).transpose(1, 2)
+
+
+def rope(x, theta: float = 10000.0):  # rotate-half RoPE at positions 0..N-1, float32 angles as the package's
+    n, hd = x.shape[-2:]
+    freq = theta ** -(torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    angle = torch.outer(torch.arange(n, dtype=torch.float32), freq).repeat(1, 2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * angle.cos().to(x.dtype) + torch.cat([-x2, x1], dim=-1) * angle.sin().to(x.dtype)
+
+
+def qkv(attn, x, theta: float = 10000.0):  # QKNorm, then RoPE, on queries and keys
+    q = rope(rms_norm(heads(x @ attn.wq.weight.T, attn.n_head), attn.q_norm.weight, attn.q_norm.eps), theta)
+    k = rope(rms_norm(heads(x @ attn.wk.weight.T, attn.n_head), attn.k_norm.weight, attn.k_norm.eps), theta)
+    return q, k, heads(x @ attn.wv.weight.T, attn.n_head)
+
+
+def causal_attention(attn, x, masked: bool = True):
+    import math
+
+    q, k, v = qkv(attn, x)
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if masked:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+    return (s.softmax(-1) @ v).transpose(1, 2).flatten(2) @ attn.wo.weight.T
+
+
+def block(blk, x, attend):  # pre-norm: attention sublayer, then the SwiGLU MLP
+    import torch.nn.functional as F
+
+    x = x + attend(rms_norm(x, blk.attn_norm.weight, blk.attn_norm.eps))
+    a = rms_norm(x, blk.mlp_norm.weight, blk.mlp_norm.eps)
+    return x + (F.silu(a @ blk.mlp.gate.weight.T) * (a @ blk.mlp.up.weight.T)) @ blk.mlp.down.weight.T
+
+
+def encoder(model, x):  # token embeddings (B, N, d) -> H
+    for blk in model.encoder:
+        x = block(blk, x, lambda a, blk=blk: causal_attention(blk.attn, a))
+    return x
+
+
+def global_kv(model, H):  # [(K^G_l, V^G_l) for each decoder layer l], each (B, n_head, N, hd)
+    h = rms_norm(H, model.enc_norm.weight, model.enc_norm.eps)
+    out = []
+    for blk in model.decoder:
+        a = blk.attn
+        k = rms_norm(heads(h @ a.wk_glob.weight.T, a.n_head), a.k_glob_norm.weight, a.k_glob_norm.eps)  # QKNorm
+        out.append((rope(k, model.config.rope_theta), heads(h @ a.wv_glob.weight.T, a.n_head)))
+    return out
+
+
+def joint_softmax(s, causal_global: bool = True):  # s (..., N, 2N) -> ONE softmax over both halves
+    causal = torch.ones(s.shape[-2], s.shape[-2], dtype=torch.bool).tril()
+    seen_global = causal if causal_global else torch.ones_like(causal)
+    mask = torch.cat([seen_global, causal], dim=-1)  # (N, 2N): Global half, then Local half
+    return s.masked_fill(~mask, float("-inf")).softmax(-1)
+
+
+def joint_attention_layer(attn, x, kv_glob, probs=joint_softmax):
+    import math
+
+    q, k, v = qkv(attn, x)
+    k_g, v_g = kv_glob
+    s = torch.cat([q @ k_g.transpose(-2, -1), q @ k.transpose(-2, -1)], dim=-1) / math.sqrt(q.size(-1))
+    return (probs(s) @ torch.cat([v_g, v], dim=-2)).transpose(1, 2).flatten(2) @ attn.wo.weight.T
+
+
+def decoder_layer(blk, z, kv_glob, probs=joint_softmax):
+    return block(blk, z, lambda a: joint_attention_layer(blk.attn, a, kv_glob, probs))
+
+
+def decoder_loop(model, H, n_iter: int, global_from_state: bool = False, probs=joint_softmax):  # [z_1, ..., z_K]
+    kv = global_kv(model, H)  # once, before the loop
+    z, states = H, []
+    for _ in range(n_iter):
+        if global_from_state:  # the wrong version: Global KV from z_{k-1}
+            kv = global_kv(model, z)
+        for blk, kv_l in zip(model.decoder, kv):
+            z = decoder_layer(blk, z, kv_l, probs)
+        states.append(z)
+    return states
+
+
+def asymloop(model, idx, n_iter: int, probs=joint_softmax):  # tokens (B, N) -> logits (B, N, vocab)
+    H = encoder(model, model.embed.weight[idx])
+    return rms_norm(decoder_loop(model, H, n_iter, probs=probs)[-1], model.norm.weight, model.norm.eps) @ model.head.weight.T
