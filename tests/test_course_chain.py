@@ -202,3 +202,17 @@ def test_depth_at_test_time_reads_only_the_solved_runs(capsys):
     assert len(td["at_k1"]) == solved_k2_up == 11 and len(td["at_k2"]) == solved_k2_up - grid.solved("asymloop_k2").sum()
     assert len(td["gain"]) == 25 and "asymloop_k1" not in td["drop"]  # every run; no solved K=1 run to drop from
     assert "AsymLoop K=2 0.045" in capsys.readouterr().out
+    at_k2 = [grid.run(n, s)["acc_by_test_k"]["2"] for n in loops[2:] for s in grid.seeds if grid.run(n, s)["converged"]]
+    assert td["solved_k2"] == [min(a.values()) >= 0.99 for a in at_k2] and sum(td["solved_k2"]) == 3  # 3 of 8
+
+
+def test_both_halves_claim_is_a_multiple_of_the_uniform_share(ctx):
+    """lookup_claims(local=True) needs iteration 2's share on j=1 above AGAIN times uniform: a model at 1.4x fails."""
+    import torch
+    _, qhops = chain.lookups(ctx, {})
+    u = chain.uniform_share(qhops)
+    stmt = torch.zeros(3, 1, 4, *qhops.shape, 4, 2)  # (K, layer, heads, programs, queries, J, halves)
+    stmt[1, 0, :, :, :, 1, 1] = 1.4 * u  # all on Local, nothing on j=2: only the multiple can fail
+    assert not chain.lookup_claims({"stmt": stmt}, qhops, local=True)
+    stmt[1, 0, :, :, :, 1, 1] = 1.6 * u
+    assert chain.lookup_claims({"stmt": stmt}, qhops, local=True)
