@@ -139,23 +139,71 @@ def test_exit_mechanism_draws_each_token_stopping_at_its_own_iteration():
     assert fig._suptitle is not None and curve.get_ylabel() and grid.get_ylabel()
 
 
-def test_frontier_figure_draws_the_running_minimum_and_one_label_per_group():
-    """fig_frontier's dashed line is the running minimum of the fixed-K losses (never rising), tau = 0 is left out
-    (it is fixed K = 8), and no two tau labels share a point. check_cost reads 2·d·V = 131,072 FLOPs per check and
-    393,216 per iteration off the stored LM (d = 64, V = 1,024): a third."""
+def test_frontier_figure_draws_one_seeds_own_points_and_labels_that_do_not_overlap():
+    """fig_frontier draws one seed's runs, no average: the dashed line is the running minimum of that seed's fixed_k3
+    losses (never rising), each recipe's exit-rule curve is that seed's stored points with tau = 0 left out (it is fixed
+    K = 8), and no two labels overlap (one of them groups thresholds). check_cost reads 2·d·V = 131,072 FLOPs per check
+    and 393,216 per iteration off the stored LM (d = 64, V = 1,024): a third."""
     import numpy as np
 
     from minimal_asymloop.course import sampled_depth as SD
 
     sd = json.loads((RESULTS / "sampled_depth.json").read_text())
-    ax = SD.fig_frontier(sd).axes[0]
-    dashed = next(line for line in ax.get_lines() if line.get_linestyle() == "--")
-    assert (np.diff(dashed.get_ydata()) <= 0).all() and len(dashed.get_ydata()) == 8
-    labels = [t for t in ax.texts if t.get_text().startswith("τ=")]
-    assert not any("τ=0," in t.get_text() or t.get_text() == "τ=0" for t in labels)
-    assert len({t.xy for t in labels}) == len(labels) and any("," in t.get_text() for t in labels)
+    for seed in (0, 2):
+        fig = SD.fig_frontier(sd, seed=seed)
+        ax = fig.axes[0]
+        runs = {r: next(x for x in rs if x["seed"] == seed) for r, rs in SD.runs_of(sd, "lm").items()}
+        dashed = next(line for line in ax.get_lines() if line.get_linestyle() == "--")
+        fixed_ce = [x["ce"] for x in runs["fixed_k3"]["sweep"]["fixed"]]
+        assert np.allclose(dashed.get_ydata(), np.minimum.accumulate(fixed_ce))
+        curves = [line for line in ax.get_lines() if line.get_linestyle() == "-"]
+        assert len(curves) == len(runs) == 3
+        for line, run in zip(curves, runs.values()):
+            assert np.allclose(line.get_ydata(), [a["ce"] for a in run["sweep"]["adaptive"] if a["tau"] > 0])
+            assert f"seed {seed}" in line.get_label()
+        labels = [t for t in ax.texts if t.get_text().startswith("τ=")]
+        assert not any("τ=0," in t.get_text() or t.get_text() == "τ=0" for t in labels)
+        assert any("," in t.get_text() for t in labels) and not any(t.crowded for t in ax.texts)
+        r = fig.canvas.get_renderer()
+        boxes = [t.get_window_extent(r) for t in ax.texts]
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        assert f"Seed {seed}" in ax.get_title() and "median" not in ax.get_title()
     check, it = SD.check_cost(sd)
     assert (check, it) == (2 * 64 * 1024, 393216)
+
+
+def test_reference_build_matches_the_package_and_the_wrong_versions_fail():
+    """course.adaptive's references for notebook 04's build (Frozen, adaptive_loop) pass their checks; a Frozen that
+    does not reuse the keys and a loop that never stops a token both fail them, and so does the no-reuse loop."""
+    from minimal_asymloop import adaptive as A
+
+    model = A.chain_model(RESULTS / "chain_weights" / "asymloop_k3-s1.safetensors")
+    idx = A.chain_batch(16)[0]
+    C.check_frozen(C.Frozen, model, idx)
+    C.check_loop(C.adaptive_loop, model, idx)
+
+    class NoReuse(C.Frozen):
+        def append(self, k, v):
+            self.kv = (k, v)
+            return k, v
+
+    with pytest.raises(AssertionError, match="exit iterations differ"):
+        C.check_frozen(NoReuse, model, idx)
+    with pytest.raises(AssertionError):
+        C.check_loop(lambda m, x, tau, k: C.adaptive_loop(m, x, 0.0, k), model, idx)  # never stops a token
+    with pytest.raises(AssertionError):
+        C.check_loop(lambda m, x, tau, k: C.adaptive_loop(m, x, tau, k, reuse=False), model, idx)
+
+
+def test_paired_exit_gap_is_per_program():
+    """paired_exit_gap: per program, a-hop minus b-hop mean exit; mean and standard error over programs."""
+    import torch
+
+    targets = torch.tensor([[1, 1, -1], [1, 1, -1], [1, 1, 1]])
+    hops = torch.tensor([[1, 2, 0], [1, 2, 0], [1, 1, 2]])
+    ex = torch.tensor([[2, 3, 5], [2, 4, 5], [2, 4, 5]])
+    mean, se, n = C.paired_exit_gap(ex, targets, hops, 2, 1)
+    assert n == 3 and abs(mean - (1 + 2 + 2) / 3) < 1e-6 and abs(se - torch.tensor([1.0, 2, 2]).std().item() / 3 ** 0.5) < 1e-6
 
 
 def test_exit_grid_writes_the_program_under_its_columns():

@@ -1,7 +1,9 @@
 """Notebook 04's figures and tables: adaptive per-token depth read from notebooks/results/adaptive.json
-(`python -m minimal_asymloop.bench adaptive`), so that its cells show the rule and the result, not the plotting."""
+(`python -m minimal_asymloop.bench adaptive`), so that its cells show the rule and the result, not the plotting; and the
+references for the reader's build in section 2 (`Frozen`, `adaptive_loop`, with `check_frozen` and `check_loop`)."""
 
 import numpy as np
+import torch
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
@@ -212,3 +214,94 @@ def _box(x, y, color, width=0.88):
     from matplotlib.patches import FancyBboxPatch
 
     return FancyBboxPatch((x - width / 2, y - 0.36), width, 0.72, boxstyle="round,pad=0.02", fc=color, ec="0.5", lw=0.8)
+
+
+# ---- the reader's build (section 2): references that course.build.yours_or_reference falls back on ----
+
+class Frozen:
+    """What one decoder layer's attention appends in one iteration: stopped tokens (`stopped`, (B, T)) get this layer's
+    (keys, values) rows from the iteration before (`prev`), by induction their exit iteration's; `prev=None` (the first
+    iteration, or the wrong no-reuse version) leaves every row as computed. The notebook's reference for its `Frozen`."""
+
+    def __init__(self, prev, stopped):
+        self.prev, self.stopped = prev, stopped
+
+    def append(self, k, v):  # (B, H, T, hd) each
+        if self.prev is not None:
+            m = self.stopped[:, None, :, None]  # (B, 1, T, 1)
+            k, v = torch.where(m, self.prev[0], k), torch.where(m, self.prev[1], v)
+        self.kv = (k, v)
+        return k, v
+
+
+@torch.no_grad()
+def adaptive_loop(model, idx, tau, max_iter, reuse=True, frozen=None):
+    """(logits, exit_iter) of the adaptive loop on an E/D AsymLoop with a Global KV, written out as in notebook 04:
+    the reference for its `my_adaptive_logits`. `frozen`: the cache class per layer and iteration (default `Frozen`);
+    `reuse=False` is the wrong version that recomputes a stopped token's keys from its frozen state."""
+    frozen = frozen or Frozen
+    h = model.embed(idx)
+    for blk in model.encoder:
+        h = blk(h, model.rope)
+    kv_glob = model.global_kv(h)
+    z, logp, local = h, None, [None] * len(model.decoder)
+    running = torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
+    exit_iter = torch.full(idx.shape, max_iter, device=idx.device)
+    for k in range(1, max_iter + 1):
+        y = z
+        for i, blk in enumerate(model.decoder):
+            cache = frozen(local[i] if reuse else None, ~running)
+            y = blk(y, model.rope, kv_glob[i], cache)
+            local[i] = cache.kv
+        z = torch.where(running[..., None], y, z)
+        new = torch.log_softmax(model.logits(z).float(), -1)
+        if logp is not None:
+            kl = (logp.exp() * (logp - new)).sum(-1).clamp_min(0)  # KL(p_{k-1} || p_k), >= 0 despite rounding
+            stop = running & (kl < tau)
+            exit_iter[stop], running = k, running & ~stop
+        logp = new
+    return model.logits(z), exit_iter
+
+
+def _same_as_package(loop, model, idx, taus=(0.0, 0.1), max_iter=6):
+    from minimal_asymloop.generate import adaptive_logits
+
+    for tau in taus:
+        ref, ref_exit, _ = adaptive_logits(model, idx, tau, max_iter=max_iter)
+        logits, exits = loop(model, idx, tau, max_iter)
+        differ = (torch.as_tensor(exits, device=ref_exit.device) != ref_exit).sum().item()
+        assert differ == 0, f"tau={tau:g}: {differ:,} of {ref_exit.numel():,} exit iterations differ from the package's"
+        assert torch.equal(logits, ref), f"tau={tau:g}: the logits differ from the package's"
+
+
+def check_frozen(frozen_cls, model, idx):
+    """Raises unless the reference loop run with `frozen_cls` gives the package's logits and exits, bit for bit."""
+    _same_as_package(lambda m, x, tau, k: adaptive_loop(m, x, tau, k, frozen=frozen_cls), model, idx)
+
+
+def check_loop(loop, model, idx):
+    """Raises unless `loop(model, idx, tau, max_iter)` gives the package's logits and exits at τ = 0 and 0.1."""
+    _same_as_package(loop, model, idx)
+
+
+def paired_exit_gap(exit_iter, targets, hops, a: int, b: int) -> tuple[float, float, int]:
+    """Per program (row), the mean exit iteration of its `a`-hop answers minus that of its `b`-hop answers:
+    (mean over the programs that have both, its standard error, how many). Programs are independent draws; answers
+    within one program are not, so the standard error is taken over programs."""
+    ex, ans = torch.as_tensor(exit_iter).float(), torch.as_tensor(targets) >= 0
+
+    def mean_of(h):
+        m = ans & (torch.as_tensor(hops) == h)
+        return (ex * m).sum(1) / m.sum(1).clamp_min(1), m.any(1)
+
+    (ma, ha), (mb, hb) = mean_of(a), mean_of(b)
+    d = (ma - mb)[ha & hb]
+    if len(d) < 2:
+        raise ValueError(f"fewer than 2 programs have both {a}-hop and {b}-hop answers")
+    return d.mean().item(), (d.std() / len(d) ** 0.5).item(), len(d)
+
+
+def answer_exits(exit_iter, hops, targets, tokens) -> str:
+    """One program's answers as 'column character (hops): exit iteration', for the text under the exit grid."""
+    return "; ".join(f"col {t} {tokens[t]} ({int(hops[t])}-hop): {int(exit_iter[t])}"
+                     for t in range(len(tokens)) if targets[t] >= 0)

@@ -2,7 +2,7 @@
 
     result = json.loads((RESULTS / "sampled_depth.json").read_text())
     fig_test_k(result)      # loss (LM) and accuracy by hops (chain) against test-time K, one curve per training recipe
-    fig_frontier(result)    # the adaptive exit rule: loss against counted FLOPs per token, one curve per recipe
+    fig_frontier(result)    # one seed's exit rule per recipe against the fixed_k3 model's fixed-K frontier
     vs_fixed_frontier(result)  # per recipe and seed: the best threshold minus the fixed-K frontier at equal FLOPs
     within_seed(result)     # each sampled recipe minus fixed K=3 at every test-time K, per seed
     train_more(model, samplers, steps, batch)  # notebook 04's live run: a trained chain model given more steps per sampler
@@ -72,46 +72,75 @@ def fig_test_k(result: dict, hops: str = "3", title: str | None = None, chain: b
     return fig
 
 
-def fig_frontier(result: dict, task: str = "lm", title: str | None = None) -> Figure:
-    """The adaptive exit rule's frontier per recipe: cross-entropy against counted FLOPs per token (exit checks included),
-    each threshold from tau = 0.0001 up a point (tau = 0 is fixed K = 8), beside the fixed-K=3 model run at fixed
-    K = 1..8 (black x) and its fixed-K frontier, the running minimum of those losses (dashed). Each point is the median
-    over seeds of each axis on its own, so it need not be any one seed's run; the fixed-K=3 recipe's points name their
-    tau, thresholds too close to tell apart sharing one label."""
-    fig = Figure(figsize=(8, 5.6))
-    ax = fig.subplots()
+def fig_frontier(result: dict, task: str = "lm", seed: int | None = None, title: str | None = None) -> Figure:
+    """One seed's exit rule per recipe against the frontier `vs_fixed_frontier` measures every recipe by: the same
+    seed's fixed-K=3 model run at fixed K = 1..8 (black x) and its fixed-K frontier, the running minimum of those
+    losses (dashed). Cross-entropy against counted FLOPs per token (exit checks included), one point per threshold
+    tau > 0 (tau = 0 is fixed K = 8), each a run's own point, no average. The fixed-K=3 recipe's points name their tau;
+    thresholds too close to tell apart share one label, and labels are placed where they overlap no other text."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     runs = runs_of(result, task)
-    unit = np.median([next(x for x in r["sweep"]["fixed"] if x["k"] == 3)["flops_per_token"] for r in runs["fixed_k3"]])
-    fix = np.median([[(r["flops_per_token"] / unit, r["ce"]) for r in run["sweep"]["fixed"]] for run in runs["fixed_k3"]], 0)
-    ax.plot(*fix.T, "x", c="k", label=f"{LABELS['fixed_k3']}, run at fixed K = 1..8")
+    seed = runs["fixed_k3"][0]["seed"] if seed is None else seed
+    pick = {recipe: next(r for r in rs if r["seed"] == seed) for recipe, rs in runs.items() if any(r["seed"] == seed for r in rs)}
+    fig = Figure(figsize=(8, 5.6))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    base = pick["fixed_k3"]["sweep"]
+    unit = next(x for x in base["fixed"] if x["k"] == 3)["flops_per_token"]
+    fix = np.array(sorted((r["flops_per_token"] / unit, r["ce"]) for r in base["fixed"]))
+    ax.plot(*fix.T, "x", c="k", label=f"fixed_k3 model, seed {seed}, run at fixed K = 1..{len(fix)}")
     ax.plot(fix[:, 0], np.minimum.accumulate(fix[:, 1]), "--", c="k", alpha=0.6,
-            label="its fixed-K frontier (lowest loss at no more FLOPs)")
-    for k, (x, y) in enumerate(fix, 1):
-        ax.annotate(f"K={k}", (x, y), textcoords="offset points", xytext=(0, -11), fontsize=7, ha="center")
-    for recipe, rs in runs.items():
-        keep = [i for i, a in enumerate(rs[0]["sweep"]["adaptive"]) if a["tau"] > 0]  # tau = 0 is fixed K = 8
-        ada = np.median([[(run["sweep"]["adaptive"][i]["flops_per_token"] / unit, run["sweep"]["adaptive"][i]["ce"])
-                          for i in keep] for run in rs], 0)
-        ax.plot(*ada.T, "o-", ms=4, label=f"{LABELS.get(recipe, recipe)}: exit rule, one point per tau > 0")
-        if recipe == "fixed_k3":  # name the thresholds; neighbours too close to tell apart share a label
-            groups, span = [], np.ptp(ada, 0)
-            for i, (x, y) in zip(keep, ada):
-                near = groups and abs(x - groups[-1][1][0]) < 0.06 * span[0] and abs(y - groups[-1][1][1]) < 0.06 * span[1]
-                if near:
-                    groups[-1][0].append(i)
-                else:
-                    groups.append(([i], (x, y)))
-            for g, (ids, (x, y)) in enumerate(groups):  # alternately above and below the line
-                taus = ", ".join(f"{rs[0]['sweep']['adaptive'][i]['tau']:g}" for i in ids)
-                ax.annotate(f"τ={taus}", (x, y), textcoords="offset points", xytext=(5, 4 if g % 2 == 0 else -11),
-                            fontsize=7, color="C0")
-    ax.set(title=(title or f"{'Tiny LM' if task == 'lm' else 'Chain task'}: adaptive exit frontier by training recipe")
-           + "\n(median of seeds, per axis)",
+            label="its fixed-K frontier (lowest loss at no more FLOPs):\nevery recipe's exit rule is measured against it")
+    points, taus = [tuple(p) for p in fix], []
+    for recipe, run in pick.items():
+        ada = [a for a in run["sweep"]["adaptive"] if a["tau"] > 0]  # tau = 0 is fixed K = 8
+        xy = np.array([(a["flops_per_token"] / unit, a["ce"]) for a in ada])
+        ax.plot(*xy.T, "o-", ms=4, label=f"{LABELS.get(recipe, recipe)}, seed {seed}: exit rule, one point per tau > 0")
+        points += [tuple(p) for p in xy]
+        if recipe == "fixed_k3":
+            taus = [(a["tau"], p) for a, p in zip(ada, xy)]
+    ax.set(title=title or f"Seed {seed}: each recipe's exit rule against the fixed_k3 model's fixed-K frontier",
            xlabel="counted FLOPs per token, exit checks included (x fixed K=3)", ylabel="cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
     fig.tight_layout()
+    span = np.ptp(np.array(points), 0)
+    groups = []  # neighbouring thresholds too close to tell apart share one label
+    for tau, (x, y) in taus:
+        if groups and abs(x - groups[-1][2][0]) < 0.04 * span[0] and abs(y - groups[-1][2][1]) < 0.06 * span[1]:
+            groups[-1][0].append(tau)
+            groups[-1][2] = (x, y)
+        else:
+            groups.append([[tau], (x, y), (x, y)])  # taus, where the label goes, the last member
+    labels = [(f"K={k}", (x, y), "k") for k, (x, y) in enumerate(fix, 1)]
+    labels += [("τ=" + ", ".join(f"{t:g}" for t in ts), xy, "C0") for ts, xy, _ in groups]
+    _place_labels(fig, ax, labels, points)
     return fig
+
+
+def _place_labels(fig, ax, labels, points, pad=3.0):
+    """Annotate each (text, xy, colour) at the first of a ring of offsets whose box overlaps no placed label, no data
+    point's marker and stays inside the axes; the last offset tried is kept if none is free."""
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    marks = [ax.transData.transform(p) for p in points]
+    placed = []
+    offsets = [(0, -12), (6, 4), (6, -12), (-6, 4), (-6, -12), (0, 8), (10, -2), (-10, -2)]
+    offsets += [(dx * 2.2, dy * 2.2) for dx, dy in offsets]
+    for text, xy, colour in labels:
+        for dx, dy in offsets:
+            ha = "center" if dx == 0 else ("left" if dx > 0 else "right")
+            ann = ax.annotate(text, xy, textcoords="offset points", xytext=(dx, dy), fontsize=7, color=colour, ha=ha)
+            box = ann.get_window_extent(renderer).expanded(1.08, 1.15)
+            inside = frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1)
+            free = not any(box.overlaps(b) for b in placed) and not any(
+                box.x0 - pad < mx < box.x1 + pad and box.y0 - pad < my < box.y1 + pad for mx, my in marks)
+            if inside and free or (dx, dy) == offsets[-1]:
+                placed.append(box)
+                ann.crowded = not (inside and free)  # True: no free place was found (the tests assert none is)
+                break
+            ann.remove()
 
 
 def check_cost(result: dict, task: str = "lm") -> tuple[float, float]:
