@@ -121,3 +121,23 @@ def test_controls_bars_are_coloured_by_their_seeds():
     assert C.seed_verdict(np.array([-0.1, 0.2])) == "mixed" and C.seed_verdict(np.array([0.1, 0.2])) == "worse"
     unpinned = [lab for lab, (arm, _) in C.control_arms(RES).items()].index(C.ARM_LABELS["alrs_unpinned"])
     assert bars[unpinned] == to_rgb("0.6")  # its seeds straddle 0: grey, not a win
+
+
+def test_build_references_match_the_package_and_wrong_versions_fail():
+    torch.manual_seed(0)
+    e = alrs.eigenvalues(torch.randn(128, 64) * 0.05, torch.float64)
+    edges = C.mp_edges(e, (128, 64))
+    assert np.allclose(C.ref_mp_edges(e.sum() / (128 * 64), 128, 64), edges, rtol=0, atol=1e-12)
+    h = e[e > alrs.EVALS_THRESH]
+    assert abs(C.ref_hill(h, len(h) // 2) - alrs.hill_median_alpha(h)) < 1e-9
+    alphas = {"a": 2.0, "b": 3.0, "c": 6.0, "embed.weight": 1.0}
+    want = alrs.multipliers_from_alphas(alphas, top=alrs.TOP_NAMES)
+    assert all(abs(C.ref_multipliers(alphas)[k] - v) < 1e-12 for k, v in want.items())
+    assert all(C.ref_ramp(3.0, 5.0, s, 10, 5) == alrs.ramp(3.0, 5.0, s, 10, 5) for s in range(30))
+
+    def check(f):
+        assert f(1) == 2, "not 2"
+
+    C.wrong_fails(check, lambda x: x, "identity")  # a failing wrong version passes quietly
+    with pytest.raises(AssertionError, match="let a wrong version pass"):
+        C.wrong_fails(check, lambda x: x + 1, "right")

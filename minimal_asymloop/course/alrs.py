@@ -2,6 +2,7 @@
 notebooks/results/alrs.json (`python -m minimal_asymloop.experiments alrs`), so that its cells show the idea."""
 
 import numpy as np
+import torch
 from matplotlib.figure import Figure
 
 ARM_LABELS = {"uniform": "uniform LR", "alrs": "ALRS", "alrs_unpinned": "ALRS, embedding/head not pinned",
@@ -300,3 +301,51 @@ def plot_allocation(run: dict, ramp: int, last_step: int) -> Figure:
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
+
+
+# The reader's build steps (section 1 and 2 of notebook 05): the references `course.build.yours_or_reference` falls
+# back on; notebooks/solutions/05_solutions.ipynb works the same lines.
+def ref_mp_edges(sigma2: float, n: int, m: int) -> tuple[float, float]:
+    """The Marchenko–Pastur bulk [λ−, λ+] of WᵀW for W (n × m) with i.i.d. entries of variance σ²."""
+    return sigma2 * (n ** 0.5 - m ** 0.5) ** 2, sigma2 * (n ** 0.5 + m ** 0.5) ** 2
+
+
+def ref_hill(e, i: int) -> float:
+    """The Hill estimator of a power-law tail with xmin = e[i] (e sorted ascending)."""
+    tail = np.asarray(e[i:], dtype=np.float64)
+    return float(1 + len(tail) / np.log(tail / e[i]).sum())
+
+
+def ref_multipliers(alphas: dict, top=None, lo: float = 1.0, hi: float = 5.0) -> dict:
+    """ALRS's map: a line from the smallest block alpha (lo) to the largest (hi); the `top` names are pinned at hi and
+    stay out of the min and max."""
+    from minimal_asymloop import alrs
+
+    top = alrs.TOP_NAMES if top is None else top
+    ranged = {k: a for k, a in alphas.items() if k not in top}
+    a_min, a_max = min(ranged.values()), max(ranged.values())
+    return {k: hi if k in top else lo + (hi - lo) * (a - a_min) / (a_max - a_min) for k, a in alphas.items()}
+
+
+def ref_ramp(start: float, target: float, step: int, ramp_from: int, length: int) -> float:
+    """Linear from start (at ramp_from) to target over `length` steps, then flat at target."""
+    return start + (target - start) * min(1.0, max(0.0, (step - ramp_from) / length))
+
+
+def random_alpha_scatter(shape: tuple[int, int], draws: int, generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """WeightWatcher's alpha of `draws` Gaussian matrices of this shape, and each fit's (alpha − 1)/√n standard error."""
+    from minimal_asymloop import alrs
+
+    fits = [tail_fit(alrs.eigenvalues(torch.randn(*shape, generator=generator), torch.float64)) for _ in range(draws)]
+    a = np.array([f[0] for f in fits])
+    return a, (a - 1) / np.sqrt([f[1] for f in fits])
+
+
+def wrong_fails(check, wrong, label: str) -> None:
+    """Run a build step's `check` on a wrong version: print the line it fails with; raise if the check lets it pass."""
+    try:
+        check(wrong)
+    except AssertionError as err:
+        print(f"wrong version, {label}: fails the check ({err})")
+        return
+    raise AssertionError(f"{label}: the check let a wrong version pass")
