@@ -84,12 +84,31 @@ def test_figures_build_and_count_converged_seeds():
     res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995], [500, 750, None, None, 1000])
     again = [(1.0, 5000, True)] * 4 + [(0.5, 6000, False)]  # a later version's K = 3 runs: counted apart
     fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "K=3 again": again})
-    title = fig._suptitle.get_text()  # the 6,000-step arms headline, then the 1,000-step ones
-    assert title.startswith("Within 6,000 steps, one code version (chain_task, right): AsymLoop K = 3 converges in 5/5 "
-                            "seeds, K = 1 in 0/5\nA later version (chain_context, right of the dashed line): K = 3 in 4/5. "
-                            "Within 1,000 steps (depth_demo, left): K = 3 in 3/5, K = 1 in 0/5"), title
+    title = fig._suptitle.get_text()  # two lines: the converged counts, then the key
+    assert title.startswith("Converged seeds, AsymLoop K = 3: 3/5 within 1,000 steps (left), 5/5 within 6,000 "
+                            "(chain_task), 4/5 on chain_context. K = 1: 0/5 and 0/5, the same budgets\n"), title
+    assert title.count("\n") == 1
+    assert "right" not in fig.axes[1].get_title().replace("right of the dashed line", "")  # one side named, one way
     live = {k: dict(curve=r["curve"]) for k, r in ((1, res["runs"][0]), (3, res["runs"][5]))}
     assert len(tour.live_figure(live).axes) == 3
+
+
+def test_my_states_reference_matches_the_package_and_the_mistake_does_not():
+    from minimal_asymloop.model import LoopedLM
+    torch.manual_seed(0)
+    m = LoopedLM(ModelConfig(arch="asymloop", n_layer=4, d_model=32, n_head=2, d_ff=64, vocab_size=32, max_seq_len=16)).eval()
+    x = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        pkg, ref, wrong = m.states(x, n_iter=3), tour.my_states(m, x, 3), tour.my_states(m, x, 3, recompute=True)
+    assert len(ref) == 3 and all(torch.equal(a, b) for a, b in zip(ref, pkg))
+    assert torch.equal(wrong[0], pkg[0]) and not torch.equal(wrong[-1], pkg[-1])
+
+
+def test_seeds_summary_names_the_converged_seeds():
+    res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995], [500, 750, None, None, 1000])
+    lines = tour.seeds_summary(res, {"x": [(0.5, 6000, False), (1.0, 750, True)]}).splitlines()
+    assert lines[1].endswith("0.99 1.00 0.97 0.52 0.99 | converged 3/5: seed 0, 1, 4"), lines
+    assert lines[2].endswith("0.50 1.00 | converged 1/2: seed 1") and lines[0].endswith("converged 0/5"), lines
 
 
 def test_same_run_tells_the_stored_run_of_its_seed_from_another():

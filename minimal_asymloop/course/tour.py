@@ -123,6 +123,24 @@ def executed_blocks(cfg: ModelConfig, n_iter: int | None = None) -> dict:
     return calls
 
 
+def my_states(m, idx, K, recompute=False):
+    """Notebook 00's build step, the reference: AsymLoop's decoder states z_1..z_K from the package's modules (encoder
+    once, Global KV once from H, the decoder K times), equal bit for bit to LoopedLM.states. recompute=True is the
+    deliberate mistake the notebook shows failing: from k = 2 on, Global KV is taken from the state z_{k-1}."""
+    h = m.embed(idx)
+    for blk in m.encoder:  # H = Enc(embed(x)): once
+        h = blk(h, m.rope)
+    kv = [blk.attn.global_kv(m.enc_norm(h), m.rope) for blk in m.decoder]  # Global KV: once, per decoder layer
+    z, out = h, []  # z_0 = H
+    for _ in range(K):  # the decoder, K times, the same weights
+        if recompute and out:  # WRONG on purpose: Global KV from z_{k-1}
+            kv = [blk.attn.global_kv(m.enc_norm(z), m.rope) for blk in m.decoder]
+        for blk, kv_l in zip(m.decoder, kv):
+            z = blk(z, m.rope, kv_l)  # queries and Local KV from z; Global KV fixed
+        out.append(z)
+    return out
+
+
 def frequency_rule(task, n: int = 1024, seed: int = 4321) -> dict[int, float]:
     """{hops: accuracy} of a rule that follows no chain: a statement `x=y` gets the value that literal statements
     (`v=3`) assigned most often so far in its program (ties: the earliest), `x=3` gets 3; on n programs from the generator seed."""
@@ -223,14 +241,27 @@ def chain_seeds(result: dict, names=("asymloop_k1", "asymloop_k3", "full_loop_k2
     return out
 
 
+def seeds_summary(demo: dict, arms: dict) -> str:
+    """One line per arm: each seed's 3-hop accuracy at the run's end (on the check programs), then the converged
+    seeds. demo: a depth_demo result; arms: {label: chain_seeds-style runs}."""
+    rows = {f"depth_demo K={k}": list(zip(final_accuracy(demo, 3)[k], s, [x is not None for x in s]))
+            for k, s in demo_steps(demo).items()}
+    lines = []
+    for label, runs in {**rows, **arms}.items():
+        won = [str(i) for i, (_, _, c) in enumerate(runs) if c]
+        lines.append(f"{label:<18} 3 hops at the end " + " ".join(f"{a:.2f}" for a, _, _ in runs)
+                     + f" | converged {len(won)}/{len(runs)}" + (f": seed {', '.join(won)}" if won else ""))
+    return "\n".join(lines)
+
+
 def _dots(ax, x, accs, steps, color):
     """One dot per seed at x (filled: converged), its steps to converge printed beside it."""
     for j, (a, s) in enumerate(zip(accs, steps)):
         xj = x + 0.11 * (j - (len(accs) - 1) / 2)
         ax.scatter([xj], [a], s=40, zorder=2, color=color if s else "white", edgecolor=color, lw=1.5)
         if s:
-            ax.annotate(f"{s:,}", (xj, a), (0, -13 - 9 * (j % 3)), textcoords="offset points", fontsize=7, color=color,
-                        ha="center")
+            ax.annotate(f"{s:,}", (xj, a), (0, -12 - 8 * j), textcoords="offset points", fontsize=7, color=color,
+                        ha="center")  # one height per seed: labels of neighbouring seeds never overlap
 
 
 def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookFigure:
@@ -238,7 +269,7 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     one column per arm of chain: chain_seeds' dict (arms dense_l2, dense_l4, asymloop_k1, asymloop_k3, full_loop_k2,
     or "K=3 again": a later version's K = 3 runs, drawn right of a dashed line). Both panels: 3-hop accuracy at the
     run's end on the 256 held-out programs of the early stop."""
-    fig = NotebookFigure(figsize=(12, 4.4))
+    fig = NotebookFigure(figsize=(12, 4.8))
     left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[2, 2 + len(chain)]))
     acc, steps = final_accuracy(demo, 3), demo_steps(demo)
     for i, k in enumerate(sorted(acc)):
@@ -259,8 +290,8 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     for i, (name, runs) in enumerate(chain.items()):
         _dots(right, i, [a for a, _, _ in runs], [s if c else None for _, s, c in runs], labels[name][1])
     right.set_xticks(range(len(chain)), [labels[n][0] for n in chain])
-    right.set_title("at most 6,000 steps: chain_task, one code version (left of the dashed line); "
-                    "chain_context, a later one (right)", fontsize=9)
+    right.set_title("at most 6,000 steps: chain_task (left of the dashed line);\n"
+                    "chain_context, a later code version (right of the dashed line)", fontsize=9)
     later = [i for i, n in enumerate(chain) if n == "K=3 again"]
     if later and len(later) < len(chain):
         right.axvline(min(later) - 0.5, color="0.5", ls="--", lw=1)
@@ -270,13 +301,15 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     n3, n1 = (sum(s is not None for s in steps[k]) for k in (3, 1))
     won = {n: f"{sum(c for _, _, c in chain[n])}/{len(chain[n])}" for n in ("asymloop_k3", "asymloop_k1", "K=3 again")
            if n in chain}
-    head = (f"Within 6,000 steps, one code version (chain_task, right): AsymLoop K = 3 converges in {won['asymloop_k3']} "
-            f"seeds, K = 1 in {won['asymloop_k1']}\n" if {"asymloop_k3", "asymloop_k1"} <= set(won) else "")
-    if head and "K=3 again" in won:
-        head += f"A later version (chain_context, right of the dashed line): K = 3 in {won['K=3 again']}. "
-    fig.suptitle(f"{head}Within {demo['setting']['steps']:,} steps (depth_demo, left): K = 3 in {n3}/{len(steps[3])}, "
-                 f"K = 1 in {n1}/{len(steps[1])}\n"
-                 f"(one dot per seed; filled: converged, every hop count ≥ {CONVERGED}, with its steps to converge)")
+    line = f"Converged seeds, AsymLoop K = 3: {n3}/{len(steps[3])} within {demo['setting']['steps']:,} steps (left)"
+    if {"asymloop_k3", "asymloop_k1"} <= set(won):
+        line += f", {won['asymloop_k3']} within 6,000 (chain_task)"
+        line += f", {won['K=3 again']} on chain_context" if "K=3 again" in won else ""
+        line += f". K = 1: {n1}/{len(steps[1])} and {won['asymloop_k1']}, the same budgets"
+    else:
+        line += f". K = 1: {n1}/{len(steps[1])}"
+    fig.suptitle(f"{line}\n(one dot per seed; filled: converged, every hop count ≥ {CONVERGED}, with its steps to converge)",
+                 fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -300,9 +333,9 @@ def trained_chain_model(seed: int):
     return model.eval()
 
 
-def test_time_figure(acc: dict, rule: dict | None = None) -> NotebookFigure:
+def test_time_figure(acc: dict, rule: dict | None = None, ylim: tuple = (0, 1.03)) -> NotebookFigure:
     """3-hop accuracy (and, in grey, 2-hop) of trained K = 3 models run with k iterations: acc = {seed: {k: {hops:
-    accuracy}}}; chance and the no-chain rule's 3-hop accuracy (frequency_rule) as reference lines."""
+    accuracy}}}; chance and the no-chain rule's 3-hop accuracy (frequency_rule) as reference lines; ylim zooms."""
     fig = NotebookFigure(figsize=(7, 4))
     ax = fig.subplots()
     for j, (seed, by_k) in enumerate(sorted(acc.items())):
@@ -314,12 +347,12 @@ def test_time_figure(acc: dict, rule: dict | None = None) -> NotebookFigure:
     if rule:
         ax.axhline(rule[3], color="0.3", ls="--", lw=1, label=f"no-chain rule, 3 hops: {rule[3]:.2f}")
     ax.axvline(3, color="0.5", ls=":", lw=1)
-    ax.text(3.05, 0.75, "trained K", color="0.4")
+    ax.text(3.05, 0.7, "trained K", color="0.4", transform=ax.get_xaxis_transform())
     ax.set_xticks(ks)
     ax.set_xlabel("iterations k at test time (effective depth 1 + k)")
     ax.set_ylabel("accuracy on fresh programs")
-    ax.set_ylim(0, 1.03)
+    ax.set_ylim(*ylim)
     ax.set_title("The same trained weights: 3 hops need the iterations")
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize=8, loc="center right" if ylim[0] < CHANCE else "lower center")  # zoomed: below the curves
     fig.tight_layout()
     return fig
