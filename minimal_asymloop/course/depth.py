@@ -103,7 +103,7 @@ def paper_matched(base: str, asym: str) -> dict:
 def matched_depth(runs: LMRuns) -> dict:
     """Print AsymLoop minus its matched-depth baseline, within seed, beside the paper's differences within one table;
     return {(baseline, asymloop): per-seed differences}."""
-    diffs = {(b, a): runs.loss(a) - runs.loss(b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
+    diffs = {(b, a): within(runs, a, b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
     print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better). Paper: 60M, 17.6 "
           "tokens/param, each difference within one table;\n  Table 3: recipe not stated in the table | "
           "Table 6 (K=1: w/o Global KV = Dense) and Table 7: uniform LR, QKNorm | Table 8: uniform LR, AsymLoop w/o QKNorm")
@@ -171,33 +171,63 @@ def lens_names(runs: LMRuns):
     return [n for n in ("asymloop_k1", "asymloop_k3", "asymloop_k5", "full_loop_k2", "full_loop_k3") if runs.have(n)]
 
 
-def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
-    """Loss when the head reads z_k, k = 1..8, per trained model (★: its trained K), mean ± std over seeds; additive
-    injection dashed; `init`: an untrained model's lens, named in the title as the reference."""
-    fig = Figure(figsize=(9.5, 4.8))
-    ax = fig.subplots()
+def _lens_panel(ax, runs, names, rel=False):
+    """Loss when the head reads z_k, mean ± std over seeds (★: the trained K). rel: minus the loss at the trained K,
+    drawn from k = K on only. Returns {name: mean change from k = K to k = 8}."""
     ks = np.arange(1, ex.MAX_TEST_K + 1)
-    names = lens_names(runs) if names is None else names
+    rise = {}
     for j, n in enumerate(names):
         c, k = runs.lens(n), runs.n_iter(n)
+        c, x = (c[:, k - 1:] - c[:, k - 1:k], ks[k - 1:]) if rel else (c, ks)
         off = 0.04 * (j - len(names) / 2)
-        ax.errorbar(ks + off, c.mean(0), yerr=c.std(0, ddof=1), marker="o" if "asym" in n else "^", color=COLOR[n],
+        ax.errorbar(x + off, c.mean(0), yerr=c.std(0, ddof=1), marker="o" if "asym" in n else "^", color=COLOR[n],
                     ls="--" if "additive" in n else "-", capsize=3, label=f"{n} (trained K={k})")
-        ax.plot([k + off], [c.mean(0)[k - 1]], "*", color=COLOR[n], ms=16, mec="k")
-    ref = "" if init is None else f"; untrained: {np.mean(init):.2f} at every k, off this scale"
-    rise = {n: (runs.lens(n)[:, -1] - runs.lens(n)[np.arange(len(runs.seeds)), runs.n_iter(n) - 1]).mean() for n in names}
-    least = min(rise, key=rise.get)
-    verdict = ("rises in every model" if min(rise.values()) > 0 else "does not rise in every model") + \
-        f", least in {least}"
-    falls = "lowers" if all((np.diff(runs.lens(n).mean(0)[:runs.n_iter(n)]) < 0).all() for n in names) else "does not always lower"
-    ax.set(xlabel="iteration k whose state the head reads (★: the trained K)\n"
-                  "one iteration runs 2 blocks in AsymLoop, 4 in Full Loop", ylabel="loss, held-out windows (nats/token)",
-           title=f"Each trained iteration {falls} the mean loss; past the trained K it {verdict}\n"
-                 f"(mean ± std over {len(runs.seeds)} seeds, {runs.tpp:.1f} tokens/param{ref})")
+        ax.plot([k + off], [c.mean(0)[x.tolist().index(k)]], "*", color=COLOR[n], ms=16, mec="k")
+        rise[n] = c.mean(0)[-1] - c.mean(0)[x.tolist().index(k)]
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=9)
+    ax.set_xlim(0.5, ex.MAX_TEST_K + 0.5)
+    ax.legend(fontsize=8)
+    return rise
+
+
+def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
+    """Loss when the head reads z_k, k = 1..8, per trained model (★: its trained K), mean ± std over seeds. Left: the
+    models with Global KV and Full Loop; right (if any are named): additive injection past its trained K, minus its
+    loss there, on its own scale. Each title says only what its panel shows. `init`: an untrained model's lens."""
+    names = lens_names(runs) if names is None else names
+    add = [n for n in names if "additive" in n]
+    rest = [n for n in names if n not in add]
+    both = bool(add) and bool(rest)
+    fig = Figure(figsize=(13 if both else 8, 4.9))
+    axes = list(fig.subplots(1, 2 if both else 1, squeeze=False, gridspec_kw=dict(width_ratios=[1.5, 1]) if both else None)[0])
+    xlabel = "iteration k whose state the head reads (★: the trained K)"
+    if rest:
+        ax = axes.pop(0)
+        rise = _lens_panel(ax, runs, rest)
+        falls = "lowers" if all((np.diff(runs.lens(n).mean(0)[:runs.n_iter(n)]) < 0).all() for n in rest) \
+            else "does not always lower"
+        verdict = ("rises in every model" if min(rise.values()) > 0 else "does not rise in every model") + \
+            f", least in {min(rise, key=rise.get)}"
+        ref = "" if init is None else f"; untrained: {np.mean(init):.2f}, off scale"
+        ax.set(xlabel=xlabel + "\none iteration runs 2 blocks in AsymLoop, 4 in Full Loop",
+               ylabel="loss, held-out windows (nats/token)",
+               title=f"Each trained iteration {falls} the mean loss; past the\ntrained K it {verdict}\n"
+                     f"(mean ± std, {len(runs.seeds)} seeds, {runs.tpp:.1f} tokens/param{ref})")
+    if add:
+        ax = axes.pop(0)
+        rise = _lens_panel(ax, runs, add, rel=True)
+        ax.axhline(0, color="0.6", lw=0.8)
+        lo, hi = min(rise.values()), max(rise.values())
+        ax.set(xlabel=xlabel, ylabel="loss minus loss at the trained K\n(nats/token, own scale)",
+               title=f"Additive injection past its trained K, own scale:\nfrom k = K to k = 8 the mean loss changes by\n"
+                     f"{lo:+.4f} to {hi:+.4f} (mean ± std, {len(runs.seeds)} seeds)")
     fig.tight_layout()
     return fig
+
+
+def within(runs: LMRuns, a: str, b: str) -> np.ndarray:
+    """Reference for the reader's build: a's final validation loss minus b's, within seed (one value per seed)."""
+    return runs.loss(a) - runs.loss(b)
 
 
 def gains(runs: LMRuns) -> dict:
@@ -287,6 +317,43 @@ def per_seed_table(runs: LMRuns, names):
             r = runs.runs[(n, runs.seeds[0])]
             print(f"{n:>22} {r['effective_depth']:>5} {r['params'] / 1e6:>7.3f}M "
                   + " ".join(f"{x:>8.4f}" for x in runs.loss(n)) + f" {ms(runs.loss(n), '.4f'):>16}")
+
+
+# ----------------------------------------------------------------------------- the reader's builds, sections 1-2
+# References for the lines notebook 02 ships unwritten (course.build.yours_or_reference hands them back).
+
+
+def passes(check, f) -> bool:
+    """Whether `f` passes a build step's check (which raises AssertionError on a wrong version): the notebook shows
+    each wrong version failing with it."""
+    try:
+        check(f)
+    except AssertionError:
+        return False
+    return True
+
+
+def global_kv(a, h_norm, rope):
+    """(K^G_l, V^G_l) of the decoder block whose attention is `a`, from RMSNorm(H): its own W_K^G, W_V^G; QKNorm
+    on the keys, followed by RoPE (Section 3.2); the values only projected."""
+    return rope(a.k_glob_norm(a.heads(a.wk_glob(h_norm)))), a.heads(a.wv_glob(h_norm))
+
+
+def block(blk, z, kv_g, rope):
+    """One pre-norm decoder block on z_{k-1}: queries and Local KV from z_{k-1}; one softmax over [K^G ; K^L]
+    (joint attention), or over Local KV only (causal) where kv_g is None."""
+    from minimal_asymloop.model import causal_attention, joint_attention
+    a, h = blk.attn, blk.attn_norm(z)
+    q = rope(a.q_norm(a.heads(a.wq(h))))
+    k_loc, v_loc = rope(a.k_norm(a.heads(a.wk(h)))), a.heads(a.wv(h))
+    y = causal_attention(q, k_loc, v_loc) if kv_g is None else joint_attention(q, *kv_g, k_loc, v_loc)
+    z = z + a.wo(y.transpose(1, 2).flatten(2))
+    return z + blk.mlp(blk.mlp_norm(z))
+
+
+def lens(m, zs, targets) -> list[float]:
+    """The logit lens on states zs: the final norm and the head on each (m.logits), cross-entropy to the targets."""
+    return [F.cross_entropy(m.logits(z).flatten(0, 1), targets.flatten(), ignore_index=-1).item() for z in zs]
 
 
 # ----------------------------------------------------------------------------- the live run of section 3
