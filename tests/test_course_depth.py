@@ -178,7 +178,7 @@ def test_build_references_match_the_package_and_catch_wrong_versions(runs):
         assert depth.block(m.decoder[0], h, None, m.rope).equal(m.decoder[0](h, m.rope))
         zs = m.states(x, n_iter=2)
         t = torch.roll(x, -1, 1)
-        assert depth.lens(m, zs, t)[-1] == pytest.approx(m(x, t, n_iter=2)[1].item(), abs=1e-5)
+        assert depth.lens_losses(m, zs, t)[-1] == pytest.approx(m(x, t, n_iter=2)[1].item(), abs=1e-5)
     g = depth.gains(runs)
     assert np.array_equal(depth.within(runs, "asymloop_k3_no_global", "asymloop_k3"), g[3])
 

@@ -15,6 +15,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from minimal_asymloop import experiments as ex
+from minimal_asymloop.course.depth_build import block, global_kv, lens_losses, passes, within  # noqa: F401 (the builds' references)
+from minimal_asymloop.course.depth_draw import CONTEXT_VARIANTS, context_figure  # noqa: F401 (section 3's drawing)
 from minimal_asymloop.flops import count_params
 from minimal_asymloop.model import ModelConfig
 from minimal_asymloop.paths import RESULTS
@@ -225,11 +227,6 @@ def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
     return fig
 
 
-def within(runs: LMRuns, a: str, b: str) -> np.ndarray:
-    """Reference for the reader's build: a's final validation loss minus b's, within seed (one value per seed)."""
-    return runs.loss(a) - runs.loss(b)
-
-
 def gains(runs: LMRuns) -> dict:
     """G(K) per seed = loss without Global KV minus with it. At K=1 the model without Global KV is Dense (E + D = L)."""
     no_global = {1: "dense", 3: "asymloop_k3_no_global", 5: "asymloop_k5_no_global"}
@@ -319,43 +316,6 @@ def per_seed_table(runs: LMRuns, names):
                   + " ".join(f"{x:>8.4f}" for x in runs.loss(n)) + f" {ms(runs.loss(n), '.4f'):>16}")
 
 
-# ----------------------------------------------------------------------------- the reader's builds, sections 1-2
-# References for the lines notebook 02 ships unwritten (course.build.yours_or_reference hands them back).
-
-
-def passes(check, f) -> bool:
-    """Whether `f` passes a build step's check (which raises AssertionError on a wrong version): the notebook shows
-    each wrong version failing with it."""
-    try:
-        check(f)
-    except AssertionError:
-        return False
-    return True
-
-
-def global_kv(a, h_norm, rope):
-    """(K^G_l, V^G_l) of the decoder block whose attention is `a`, from RMSNorm(H): its own W_K^G, W_V^G; QKNorm
-    on the keys, followed by RoPE (Section 3.2); the values only projected."""
-    return rope(a.k_glob_norm(a.heads(a.wk_glob(h_norm)))), a.heads(a.wv_glob(h_norm))
-
-
-def block(blk, z, kv_g, rope):
-    """One pre-norm decoder block on z_{k-1}: queries and Local KV from z_{k-1}; one softmax over [K^G ; K^L]
-    (joint attention), or over Local KV only (causal) where kv_g is None."""
-    from minimal_asymloop.model import causal_attention, joint_attention
-    a, h = blk.attn, blk.attn_norm(z)
-    q = rope(a.q_norm(a.heads(a.wq(h))))
-    k_loc, v_loc = rope(a.k_norm(a.heads(a.wk(h)))), a.heads(a.wv(h))
-    y = causal_attention(q, k_loc, v_loc) if kv_g is None else joint_attention(q, *kv_g, k_loc, v_loc)
-    z = z + a.wo(y.transpose(1, 2).flatten(2))
-    return z + blk.mlp(blk.mlp_norm(z))
-
-
-def lens(m, zs, targets) -> list[float]:
-    """The logit lens on states zs: the final norm and the head on each (m.logits), cross-entropy to the targets."""
-    return [F.cross_entropy(m.logits(z).flatten(0, 1), targets.flatten(), ignore_index=-1).item() for z in zs]
-
-
 # ----------------------------------------------------------------------------- the live run of section 3
 
 # AsymLoop K=3 with Global KV, and the same model without it (context="none": Local KV only, z_0 = H)
@@ -442,75 +402,4 @@ def plot_live_gap(runs: LMRuns, live: dict, seed: int = 0, window: int = 20) -> 
     fig.suptitle(f"Without Global KV, AsymLoop K=3 ends behind in {(final > 0).sum()} of {len(final)} seeds; the live "
                  f"run retraces its seed's first steps\n(training loss averaged over the {window} steps up to each point; above 0: behind)")
     fig.tight_layout()
-    return fig
-
-
-# ----------------------------------------------------------------------------- the three ways the decoder reads H
-
-CONTEXT_VARIANTS = {  # run name suffix: (panel title, the recurrence, what each decoder block attends to)
-    "": ("with Global KV (joint attention)", r"$z_0=H,\ z_k=\mathrm{Dec}(z_{k-1};\,K^G,V^G)$",
-         "attends to $[K^G ; K^L]$ under one softmax"),
-    "_additive": ("additive injection", r"$z_0=0,\ z_k=\mathrm{Dec}(z_{k-1}+H)$", "attends to its own $K^L$ only"),
-    "_no_global": ("without Global KV (ablation)", r"$z_0=H,\ z_k=\mathrm{Dec}(z_{k-1})$",
-                   "attends to its own $K^L$ only"),
-}
-
-
-def context_figure(n_iter: int = 3) -> Figure:
-    """The three context-access variants side by side, unrolled over `n_iter` decoder iterations: how the encoder
-    output H reaches the decoder (Global KV at every iteration, added before every iteration, or only as z_0)."""
-    from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch
-    enc_c, kv_c, dec_c = "#4C72B0", "#DD8452", "#55A868"
-    pw, step, w = 1.55 + 1.0 * n_iter, 1.0, 0.55  # panel width, Dec box pitch and width (inches)
-    fig = Figure(figsize=(3 * pw, 4.8))
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set(xlim=(0, 3 * pw), ylim=(0, 4.8))
-    ax.text(1.5 * pw, 4.72, f"How the decoder reads the encoder output H, unrolled over K = {n_iter} iterations "
-            "(Dec: the D weight-tied decoder blocks)", ha="center", va="top", fontsize=11.5, weight="bold")
-    ax.axis("off")
-
-    def arrow(a, b, color="k"):
-        ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=11, lw=1.3, color=color, shrinkA=0,
-                                     shrinkB=0))
-
-    def box(x, y, bw, bh, text, color, size=9.5):
-        ax.add_patch(FancyBboxPatch((x, y), bw, bh, boxstyle="round,pad=0,rounding_size=0.06", lw=1.5, ec=color,
-                                    fc=color + "22"))
-        ax.text(x + bw / 2, y + bh / 2, text, ha="center", va="center", fontsize=size)
-
-    for i, (suffix, (title, rule, attends)) in enumerate(CONTEXT_VARIANTS.items()):
-        ox, y = i * pw, 2.2  # panel origin; the decoder row's bottom
-        xs = [ox + 1.3 + step * k for k in range(n_iter)]  # left edge of each iteration's Dec box
-        mid = y + 0.25
-        ax.text(ox + pw / 2, 4.3, f"{title}\nrun: asymloop_k{n_iter}{suffix}", ha="center", va="top", fontsize=10.5)
-        box(ox + 0.1, 0.95, 0.9, 0.45, "Enc (once)", enc_c)
-        ax.text(ox + 0.68, 1.62, "H", fontsize=11, weight="bold", color=enc_c, va="center")
-        for k, x in enumerate(xs, 1):
-            box(x, y, w, 0.5, f"Dec\nk={k}", dec_c, size=9)
-            right = xs[k] if k < n_iter else x + w + 0.4
-            arrow((x + w, mid), (right, mid))
-            ax.text((x + w + right) / 2, mid + 0.12, f"$z_{k}$", ha="center", va="bottom", fontsize=10)
-        if suffix == "_additive":  # z_0 = 0; H added before every iteration
-            ax.text(xs[0] - 0.45, mid + 0.08, "$z_0=0$", ha="right", va="bottom", fontsize=10)
-            ax.plot([ox + 0.55, ox + 0.55, xs[-1] - 0.2], [1.4, 1.8, 1.8], color=enc_c, lw=1.3)
-            for x in xs:
-                c = (x - 0.2, mid)
-                ax.add_patch(Circle(c, 0.09, fc="white", ec=enc_c, lw=1.3, zorder=3))
-                ax.text(*c, "+", ha="center", va="center", fontsize=9, color=enc_c, zorder=4)
-                arrow((x - 0.2, 1.8), (x - 0.2, mid - 0.09), enc_c)
-            arrow((xs[0] - 0.5, mid), (xs[0] - 0.29, mid))
-        else:  # z_0 = H
-            ax.plot([ox + 0.55, ox + 0.55], [1.4, mid], color=enc_c, lw=1.3)
-            arrow((ox + 0.55, mid), (xs[0], mid), enc_c)
-            ax.text((ox + 0.55 + xs[0]) / 2, mid + 0.08, "$z_0=H$", ha="center", va="bottom", fontsize=10)
-        if suffix == "":  # Global KV: made once from RMSNorm(H), read by every iteration
-            box(xs[0], 3.15, xs[-1] + w - xs[0], 0.5,
-                "$K^G_l, V^G_l$ = RMSNorm(H) $W^G_l$ per block $l$:\nmade once, read at every k", kv_c, size=8.5)
-            ax.plot([ox + 0.3, ox + 0.3, xs[0]], [1.4, 3.4, 3.4], color=kv_c, lw=1.3)
-            for x in xs:
-                arrow((x + w / 2, 3.15), (x + w / 2, y + 0.5), kv_c)
-        ax.text(ox + pw / 2, 0.75, f"{rule}\neach Dec block {attends};\n$Q$, $K^L$, $V^L$ come from $z_{{k-1}}$ "
-                "at every k", ha="center", va="top", fontsize=9)
-    for i in (1, 2):
-        ax.plot([i * pw - 0.05] * 2, [0.05, 4.3], color="0.8", lw=1)
     return fig
