@@ -73,12 +73,12 @@ def test_k5_without_global_kv_is_table_4a(runs, capsys):
 
 
 def test_a_model_keeps_its_colour_across_figures(runs):
-    # the logit-lens figure and the training-gap figure draw the same model in the same colour
-    lens = depth.plot_lens(runs, ["full_loop_k2", "asymloop_k3_additive"]).axes[0]
+    # the logit-lens figure (either panel) and the training-gap figure draw the same model in the same colour
+    lens = depth.plot_lens(runs, ["full_loop_k2", "asymloop_k3_additive"]).axes
     gaps = depth.plot_gaps(runs, ["asymloop_k3_additive", "full_loop_k2"]).axes[0]
     colour = {line.get_label(): line.get_color() for line in gaps.get_lines()}
     for n in ("full_loop_k2", "asymloop_k3_additive"):
-        drawn = [h for h in lens.get_legend_handles_labels()[0] if h.get_label().startswith(n)][0]
+        drawn = [h for ax in lens for h in ax.get_legend_handles_labels()[0] if h.get_label().startswith(n)][0]
         assert drawn.lines[0].get_color() == colour[n] == depth.COLOR[n], n
 
 
@@ -136,17 +136,57 @@ def test_describe_counts_each_run_once_and_prints_the_schedule(runs, capsys):
     assert f"warm-up over steps 1-{runs.warmup()}" in out and runs.warmup() == round(0.1 * runs.setting["steps"])
 
 
-def test_lens_title_names_the_flattest_model_and_whether_all_rise(runs, monkeypatch):
-    names = ["asymloop_k3", "asymloop_k3_additive"]
-    title = depth.plot_lens(runs, names).axes[0].get_title()
+def test_lens_titles_say_what_each_panel_shows(runs, monkeypatch):
+    # left: Global KV and Full Loop models; right: additive injection past its trained K, on its own scale
+    names = ["asymloop_k3", "asymloop_k5", "asymloop_k3_additive", "asymloop_k5_additive"]
+    left, right = depth.plot_lens(runs, names).axes
     rise = {n: (runs.lens(n)[:, -1] - runs.lens(n)[:, runs.n_iter(n) - 1]).mean() for n in names}
-    assert f"least in {min(rise, key=rise.get)}" in title
-    assert ("rises in every model" in title) == (min(rise.values()) > 0)
-    assert "Each trained iteration lowers the mean loss;" in title  # the stored means fall up to each trained K
+    assert f"least in {min(names[:2], key=rise.get)}" in left.get_title()
+    assert ("rises in every model" in left.get_title()) == (min(rise[n] for n in names[:2]) > 0)
+    assert "Each trained iteration lowers the mean loss;" in left.get_title()  # the stored means fall up to each K
+    add = [rise[n] for n in names[2:]]
+    assert f"{min(add):+.4f} to {max(add):+.4f}" in right.get_title()
+    assert all("additive" in h.get_label() for h in right.get_legend_handles_labels()[0])
+    assert right.get_ylim()[1] < 0.05  # its own scale: the rise past K (thousandths of a nat) is visible
     flat = runs.lens("asymloop_k3").copy()
     flat[:, 2] = flat[:, 1] + 0.01  # k = 3 worse than k = 2: a trained iteration that raises the mean loss
     monkeypatch.setattr(runs, "lens", lambda n: flat if n == "asymloop_k3" else depth.LMRuns.lens(runs, n))
-    assert "does not always lower the mean loss" in depth.plot_lens(runs, names).axes[0].get_title()
+    assert "does not always lower the mean loss" in depth.plot_lens(runs, names[:2]).axes[0].get_title()
+
+
+def test_build_references_match_the_package_and_catch_wrong_versions(runs):
+    # the lines notebook 02 ships unwritten: its references agree with the package, and its wrong versions fail
+    import torch
+
+    from minimal_asymloop import experiments as ex
+    from minimal_asymloop.model import LoopedLM
+
+    torch.manual_seed(0)
+    m = LoopedLM(ex.lm_config("asymloop", n_iter=3)).eval()
+    x = torch.randint(0, m.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = m.embed(x)
+        for blk in m.encoder:
+            h = blk(h, m.rope)
+        kv = [depth.global_kv(b.attn, m.enc_norm(h), m.rope) for b in m.decoder]
+        assert all(torch.equal(u, v) for p, q in zip(kv, m.global_kv(h)) for u, v in zip(p, q))
+        z = h
+        for _ in range(3):
+            for blk, kv_g in zip(m.decoder, kv):
+                z = depth.block(blk, z, kv_g, m.rope)
+        assert torch.allclose(z, m.states(x, n_iter=3)[-1], atol=1e-6)
+        assert depth.block(m.decoder[0], h, None, m.rope).equal(m.decoder[0](h, m.rope))
+        zs = m.states(x, n_iter=2)
+        t = torch.roll(x, -1, 1)
+        assert depth.lens_losses(m, zs, t)[-1] == pytest.approx(m(x, t, n_iter=2)[1].item(), abs=1e-5)
+    g = depth.gains(runs)
+    assert np.array_equal(depth.within(runs, "asymloop_k3_no_global", "asymloop_k3"), g[3])
+
+    def check(f):
+        assert np.allclose(f(runs, "dense", "asymloop_k1"), g[1])
+
+    assert depth.passes(check, depth.within)
+    assert not depth.passes(check, lambda r, a, b: r.loss(b) - r.loss(a))  # the wrong sign is caught
 
 
 def test_context_figure_draws_each_variant_by_its_run_name():

@@ -15,6 +15,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from minimal_asymloop import experiments as ex
+from minimal_asymloop.course.depth_build import block, global_kv, lens_losses, passes, within  # noqa: F401 (the builds' references)
+from minimal_asymloop.course.depth_draw import CONTEXT_VARIANTS, context_figure  # noqa: F401 (section 3's drawing)
 from minimal_asymloop.flops import count_params
 from minimal_asymloop.model import ModelConfig
 from minimal_asymloop.paths import RESULTS
@@ -103,7 +105,7 @@ def paper_matched(base: str, asym: str) -> dict:
 def matched_depth(runs: LMRuns) -> dict:
     """Print AsymLoop minus its matched-depth baseline, within seed, beside the paper's differences within one table;
     return {(baseline, asymloop): per-seed differences}."""
-    diffs = {(b, a): runs.loss(a) - runs.loss(b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
+    diffs = {(b, a): within(runs, a, b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
     print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better). Paper: 60M, 17.6 "
           "tokens/param, each difference within one table;\n  Table 3: recipe not stated in the table | "
           "Table 6 (K=1: w/o Global KV = Dense) and Table 7: uniform LR, QKNorm | Table 8: uniform LR, AsymLoop w/o QKNorm")
@@ -171,31 +173,56 @@ def lens_names(runs: LMRuns):
     return [n for n in ("asymloop_k1", "asymloop_k3", "asymloop_k5", "full_loop_k2", "full_loop_k3") if runs.have(n)]
 
 
-def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
-    """Loss when the head reads z_k, k = 1..8, per trained model (★: its trained K), mean ± std over seeds; additive
-    injection dashed; `init`: an untrained model's lens, named in the title as the reference."""
-    fig = Figure(figsize=(9.5, 4.8))
-    ax = fig.subplots()
+def _lens_panel(ax, runs, names, rel=False):
+    """Loss when the head reads z_k, mean ± std over seeds (★: the trained K). rel: minus the loss at the trained K,
+    drawn from k = K on only. Returns {name: mean change from k = K to k = 8}."""
     ks = np.arange(1, ex.MAX_TEST_K + 1)
-    names = lens_names(runs) if names is None else names
+    rise = {}
     for j, n in enumerate(names):
         c, k = runs.lens(n), runs.n_iter(n)
+        c, x = (c[:, k - 1:] - c[:, k - 1:k], ks[k - 1:]) if rel else (c, ks)
         off = 0.04 * (j - len(names) / 2)
-        ax.errorbar(ks + off, c.mean(0), yerr=c.std(0, ddof=1), marker="o" if "asym" in n else "^", color=COLOR[n],
+        ax.errorbar(x + off, c.mean(0), yerr=c.std(0, ddof=1), marker="o" if "asym" in n else "^", color=COLOR[n],
                     ls="--" if "additive" in n else "-", capsize=3, label=f"{n} (trained K={k})")
-        ax.plot([k + off], [c.mean(0)[k - 1]], "*", color=COLOR[n], ms=16, mec="k")
-    ref = "" if init is None else f"; untrained: {np.mean(init):.2f} at every k, off this scale"
-    rise = {n: (runs.lens(n)[:, -1] - runs.lens(n)[np.arange(len(runs.seeds)), runs.n_iter(n) - 1]).mean() for n in names}
-    least = min(rise, key=rise.get)
-    verdict = ("rises in every model" if min(rise.values()) > 0 else "does not rise in every model") + \
-        f", least in {least}"
-    falls = "lowers" if all((np.diff(runs.lens(n).mean(0)[:runs.n_iter(n)]) < 0).all() for n in names) else "does not always lower"
-    ax.set(xlabel="iteration k whose state the head reads (★: the trained K)\n"
-                  "one iteration runs 2 blocks in AsymLoop, 4 in Full Loop", ylabel="loss, held-out windows (nats/token)",
-           title=f"Each trained iteration {falls} the mean loss; past the trained K it {verdict}\n"
-                 f"(mean ± std over {len(runs.seeds)} seeds, {runs.tpp:.1f} tokens/param{ref})")
+        ax.plot([k + off], [c.mean(0)[x.tolist().index(k)]], "*", color=COLOR[n], ms=16, mec="k")
+        rise[n] = c.mean(0)[-1] - c.mean(0)[x.tolist().index(k)]
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=9)
+    ax.set_xlim(0.5, ex.MAX_TEST_K + 0.5)
+    ax.legend(fontsize=8)
+    return rise
+
+
+def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
+    """Loss when the head reads z_k, k = 1..8, per trained model (★: its trained K), mean ± std over seeds. Left: the
+    models with Global KV and Full Loop; right (if any are named): additive injection past its trained K, minus its
+    loss there, on its own scale. Each title says only what its panel shows. `init`: an untrained model's lens."""
+    names = lens_names(runs) if names is None else names
+    add = [n for n in names if "additive" in n]
+    rest = [n for n in names if n not in add]
+    both = bool(add) and bool(rest)
+    fig = Figure(figsize=(13 if both else 8, 4.9))
+    axes = list(fig.subplots(1, 2 if both else 1, squeeze=False, gridspec_kw=dict(width_ratios=[1.5, 1]) if both else None)[0])
+    xlabel = "iteration k whose state the head reads (★: the trained K)"
+    if rest:
+        ax = axes.pop(0)
+        rise = _lens_panel(ax, runs, rest)
+        falls = "lowers" if all((np.diff(runs.lens(n).mean(0)[:runs.n_iter(n)]) < 0).all() for n in rest) \
+            else "does not always lower"
+        verdict = ("rises in every model" if min(rise.values()) > 0 else "does not rise in every model") + \
+            f", least in {min(rise, key=rise.get)}"
+        ref = "" if init is None else f"; untrained: {np.mean(init):.2f}, off scale"
+        ax.set(xlabel=xlabel + "\none iteration runs 2 blocks in AsymLoop, 4 in Full Loop",
+               ylabel="loss, held-out windows (nats/token)",
+               title=f"Each trained iteration {falls} the mean loss; past the\ntrained K it {verdict}\n"
+                     f"(mean ± std, {len(runs.seeds)} seeds, {runs.tpp:.1f} tokens/param{ref})")
+    if add:
+        ax = axes.pop(0)
+        rise = _lens_panel(ax, runs, add, rel=True)
+        ax.axhline(0, color="0.6", lw=0.8)
+        lo, hi = min(rise.values()), max(rise.values())
+        ax.set(xlabel=xlabel, ylabel="loss minus loss at the trained K\n(nats/token, own scale)",
+               title=f"Additive injection past its trained K, own scale:\nfrom k = K to k = 8 the mean loss changes by\n"
+                     f"{lo:+.4f} to {hi:+.4f} (mean ± std, {len(runs.seeds)} seeds)")
     fig.tight_layout()
     return fig
 
@@ -375,75 +402,4 @@ def plot_live_gap(runs: LMRuns, live: dict, seed: int = 0, window: int = 20) -> 
     fig.suptitle(f"Without Global KV, AsymLoop K=3 ends behind in {(final > 0).sum()} of {len(final)} seeds; the live "
                  f"run retraces its seed's first steps\n(training loss averaged over the {window} steps up to each point; above 0: behind)")
     fig.tight_layout()
-    return fig
-
-
-# ----------------------------------------------------------------------------- the three ways the decoder reads H
-
-CONTEXT_VARIANTS = {  # run name suffix: (panel title, the recurrence, what each decoder block attends to)
-    "": ("with Global KV (joint attention)", r"$z_0=H,\ z_k=\mathrm{Dec}(z_{k-1};\,K^G,V^G)$",
-         "attends to $[K^G ; K^L]$ under one softmax"),
-    "_additive": ("additive injection", r"$z_0=0,\ z_k=\mathrm{Dec}(z_{k-1}+H)$", "attends to its own $K^L$ only"),
-    "_no_global": ("without Global KV (ablation)", r"$z_0=H,\ z_k=\mathrm{Dec}(z_{k-1})$",
-                   "attends to its own $K^L$ only"),
-}
-
-
-def context_figure(n_iter: int = 3) -> Figure:
-    """The three context-access variants side by side, unrolled over `n_iter` decoder iterations: how the encoder
-    output H reaches the decoder (Global KV at every iteration, added before every iteration, or only as z_0)."""
-    from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch
-    enc_c, kv_c, dec_c = "#4C72B0", "#DD8452", "#55A868"
-    pw, step, w = 1.55 + 1.0 * n_iter, 1.0, 0.55  # panel width, Dec box pitch and width (inches)
-    fig = Figure(figsize=(3 * pw, 4.8))
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set(xlim=(0, 3 * pw), ylim=(0, 4.8))
-    ax.text(1.5 * pw, 4.72, f"How the decoder reads the encoder output H, unrolled over K = {n_iter} iterations "
-            "(Dec: the D weight-tied decoder blocks)", ha="center", va="top", fontsize=11.5, weight="bold")
-    ax.axis("off")
-
-    def arrow(a, b, color="k"):
-        ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=11, lw=1.3, color=color, shrinkA=0,
-                                     shrinkB=0))
-
-    def box(x, y, bw, bh, text, color, size=9.5):
-        ax.add_patch(FancyBboxPatch((x, y), bw, bh, boxstyle="round,pad=0,rounding_size=0.06", lw=1.5, ec=color,
-                                    fc=color + "22"))
-        ax.text(x + bw / 2, y + bh / 2, text, ha="center", va="center", fontsize=size)
-
-    for i, (suffix, (title, rule, attends)) in enumerate(CONTEXT_VARIANTS.items()):
-        ox, y = i * pw, 2.2  # panel origin; the decoder row's bottom
-        xs = [ox + 1.3 + step * k for k in range(n_iter)]  # left edge of each iteration's Dec box
-        mid = y + 0.25
-        ax.text(ox + pw / 2, 4.3, f"{title}\nrun: asymloop_k{n_iter}{suffix}", ha="center", va="top", fontsize=10.5)
-        box(ox + 0.1, 0.95, 0.9, 0.45, "Enc (once)", enc_c)
-        ax.text(ox + 0.68, 1.62, "H", fontsize=11, weight="bold", color=enc_c, va="center")
-        for k, x in enumerate(xs, 1):
-            box(x, y, w, 0.5, f"Dec\nk={k}", dec_c, size=9)
-            right = xs[k] if k < n_iter else x + w + 0.4
-            arrow((x + w, mid), (right, mid))
-            ax.text((x + w + right) / 2, mid + 0.12, f"$z_{k}$", ha="center", va="bottom", fontsize=10)
-        if suffix == "_additive":  # z_0 = 0; H added before every iteration
-            ax.text(xs[0] - 0.45, mid + 0.08, "$z_0=0$", ha="right", va="bottom", fontsize=10)
-            ax.plot([ox + 0.55, ox + 0.55, xs[-1] - 0.2], [1.4, 1.8, 1.8], color=enc_c, lw=1.3)
-            for x in xs:
-                c = (x - 0.2, mid)
-                ax.add_patch(Circle(c, 0.09, fc="white", ec=enc_c, lw=1.3, zorder=3))
-                ax.text(*c, "+", ha="center", va="center", fontsize=9, color=enc_c, zorder=4)
-                arrow((x - 0.2, 1.8), (x - 0.2, mid - 0.09), enc_c)
-            arrow((xs[0] - 0.5, mid), (xs[0] - 0.29, mid))
-        else:  # z_0 = H
-            ax.plot([ox + 0.55, ox + 0.55], [1.4, mid], color=enc_c, lw=1.3)
-            arrow((ox + 0.55, mid), (xs[0], mid), enc_c)
-            ax.text((ox + 0.55 + xs[0]) / 2, mid + 0.08, "$z_0=H$", ha="center", va="bottom", fontsize=10)
-        if suffix == "":  # Global KV: made once from RMSNorm(H), read by every iteration
-            box(xs[0], 3.15, xs[-1] + w - xs[0], 0.5,
-                "$K^G_l, V^G_l$ = RMSNorm(H) $W^G_l$ per block $l$:\nmade once, read at every k", kv_c, size=8.5)
-            ax.plot([ox + 0.3, ox + 0.3, xs[0]], [1.4, 3.4, 3.4], color=kv_c, lw=1.3)
-            for x in xs:
-                arrow((x + w / 2, 3.15), (x + w / 2, y + 0.5), kv_c)
-        ax.text(ox + pw / 2, 0.75, f"{rule}\neach Dec block {attends};\n$Q$, $K^L$, $V^L$ come from $z_{{k-1}}$ "
-                "at every k", ha="center", va="top", fontsize=9)
-    for i in (1, 2):
-        ax.plot([i * pw - 0.05] * 2, [0.05, 4.3], color="0.8", lw=1)
     return fig
