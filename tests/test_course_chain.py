@@ -6,7 +6,7 @@ import json
 import matplotlib.pyplot as plt
 import pytest
 
-from minimal_asymloop.course import chain
+from minimal_asymloop.course import chain, chain_build
 from minimal_asymloop.paths import RESULTS
 
 
@@ -96,9 +96,9 @@ def _resolve(text, passes):  # one pass resolves every statement whose right-han
 
 
 def test_score_resolver_counts_passes_per_hop(ctx):
-    assert chain.score_resolver(ctx.task, _resolve, 3, n=64) == {1: 1.0, 2: 1.0, 3: 1.0}
-    assert chain.score_resolver(ctx.task, _resolve, 2, n=64) == {1: 1.0, 2: 1.0, 3: 0.0}
-    wrong = chain.score_resolver(ctx.task, lambda text, p: ["0"] * 8, 3, n=64)  # a constant answer: about 1 in 4
+    assert chain_build.score_resolver(ctx.task, _resolve, 3, n=64) == {1: 1.0, 2: 1.0, 3: 1.0}
+    assert chain_build.score_resolver(ctx.task, _resolve, 2, n=64) == {1: 1.0, 2: 1.0, 3: 0.0}
+    wrong = chain_build.score_resolver(ctx.task, lambda text, p: ["0"] * 8, 3, n=64)  # a constant answer: about 1 in 4
     assert 0.1 < wrong[1] < 0.4
 
 
@@ -139,7 +139,6 @@ def test_load_trained_names_missing_weights(ctx):
 
 
 def test_answer_resolves_one_hop_per_round_and_check_rounds_counts_misses(capsys):
-    from minimal_asymloop.course import chain_build
     assert [chain_build.answer("a=3;x=1;b=a;c=b;", r) for r in (1, 2, 3)] == [
         ["3", "1", None, None], ["3", "1", "3", None], ["3", "1", "3", "3"]]
     everything_at_once = lambda text, r: chain_build.answer(text, 3)  # noqa: E731 (the sequential pass: no rounds)
@@ -168,7 +167,6 @@ def _resolve_with(text, rounds, step):  # notebook 03's resolve
 
 
 def test_checked_keeps_a_right_step_and_falls_back_on_a_wrong_one(capsys):
-    from minimal_asymloop.course import chain_build
 
     def one_round(stmts, known):  # the reader's unwritten stub: bind only
         return chain_build.bind(stmts, known)
@@ -178,12 +176,11 @@ def test_checked_keeps_a_right_step_and_falls_back_on_a_wrong_one(capsys):
     right = lambda stmts, known: chain_build.one_round(stmts, known)  # noqa: E731
     right.__name__ = "one_round"
     assert chain_build.checked(_resolve_with, right, "a=3;x=1;b=a;c=b;") is right
-    assert chain.score_resolver(chain.ChainRuns("chain_task").task, lambda t, n: _resolve_with(t, n, chain_build.one_round), 3) \
+    assert chain_build.score_resolver(chain.ChainRuns("chain_task").task, lambda t, n: _resolve_with(t, n, chain_build.one_round), 3) \
         == {1: 1.0, 2: 1.0, 3: 1.0}
 
 
 def test_pretty_names_and_program_attention_marks_the_chain(ctx):
-    from minimal_asymloop.course import chain_build
     from minimal_asymloop.model import LoopedLM
     assert chain.pretty("asymloop_k3_no_local") == "AsymLoop K=3 without Local KV" and chain.pretty("dense_l4") == "Dense L=4"
     model = LoopedLM(chain.ex.chain_models(ctx.task)["asymloop_k3_no_local"]).eval()
@@ -194,7 +191,6 @@ def test_pretty_names_and_program_attention_marks_the_chain(ctx):
 
 
 def test_depth_at_test_time_reads_only_the_solved_runs(capsys):
-    from minimal_asymloop.course import chain_build
     grid = chain.ChainRuns("chain_task")
     loops = [f"asymloop_k{k}" for k in range(1, 6)]
     td = chain_build.depth_at_test_time(grid, loops)

@@ -1,5 +1,6 @@
-"""Notebook 03's build of the one-lookup-per-round resolver (the package's answer after r rounds on a small program,
-the check of the reader's version against it, the reference steps), the score of a rule that follows no chain (the
+"""Notebook 03's task and its build: one program as the model sees it, the construction drawn block by block, the
+one-lookup-per-round resolver (the package's answer after r rounds on a small program, the check of the reader's
+version against it, the reference steps, a resolver's score by hops), the score of a rule that follows no chain (the
 plateau's reference), and one program's attention, statement by statement, at every decoder iteration."""
 
 import copy
@@ -11,7 +12,66 @@ from matplotlib.figure import Figure
 from minimal_asymloop.course import chain
 from minimal_asymloop.course.tour import CHECK_SEED, frequency_rule
 from minimal_asymloop.probes import attention_maps, chain_back
-from minimal_asymloop.tasks import solve
+from minimal_asymloop.tasks import ChainTask, solve
+
+
+def example(task: ChainTask, seed: int = 3):
+    """Print one program as the model sees it, with the target and hop count at every position that carries a loss."""
+    idx, targets, hops = task.batch(1, torch.Generator().manual_seed(seed))
+    text = task.decode(idx[0])
+    print(f"task: {task.n_stmt} statements, {task.n_vars} variable names, values 0..{task.n_values - 1}, chains of "
+          f"1..{task.max_hops} hops; {task.seq_len} tokens, a loss at each right-hand side (positions 2, 6, 10, ...)")
+    print("input :", " ".join(text))
+    print("target:", " ".join(task.chars[t] if t >= 0 else "." for t in targets[0].tolist()))
+    print("hops  :", " ".join(str(h) if h >= 0 else "." for h in hops[0].tolist()))
+
+
+def score_resolver(task: ChainTask, resolve, passes: int, n: int = 256, seed: int = 0) -> dict[int, float]:
+    """{hops: share of statements right} of resolve(text, passes) -> one value per statement (None: unresolved), on n
+    programs of the task from the generator seed."""
+    g, right = torch.Generator().manual_seed(seed), {}
+    for _ in range(n):
+        text, values, hops = task.program(g)
+        for got, value, h in zip(resolve(text, passes), values, hops):
+            right.setdefault(h, []).append(got == value)
+    return {h: sum(r) / len(r) for h, r in sorted(right.items())}
+
+
+def draw_chain(text: str = "a=3;x=1;b=a;c=b;") -> Figure:
+    """The lookups a 3-hop statement needs, block by block: block 1 brings each statement's name to its right-hand
+    side (gray arrows); block 2 lets every 2-hop statement read the digit of the statement it names; block 3 lets the 3-hop
+    statement read the now-resolved value of the statement it names."""
+    stmts = [t for t in text.split(";") if t]
+    fig = Figure(figsize=(10, 3.3))
+    ax = fig.subplots()
+    env = {}
+    for i, st in enumerate(stmts):
+        lhs, rhs = st.split("=")
+        env[lhs] = rhs if rhs.isdigit() else env[rhs]
+        ax.text(i, 3, st + ";", ha="center", va="center", fontsize=13, family="monospace",
+                bbox=dict(boxstyle="round", fc="0.95", ec="0.5"))
+        ax.text(i, 2.35, f"value {env[lhs]}", ha="center", fontsize=9, color="0.3")
+        ax.annotate("", xy=(i - 0.22, 2.68), xytext=(i + 0.05, 2.68), arrowprops=dict(arrowstyle="->", color="0.5", lw=1.5))
+    names = {st.split("=")[0]: i for i, st in enumerate(stmts)}
+    for level, st in enumerate(stmts):
+        rhs = st.split("=")[1]
+        if rhs in names:
+            j = names[rhs]
+            hop = 2 if stmts[j].split("=")[1].isdigit() else 3
+            y = 1.9 - 0.55 * (hop - 2)
+            ax.annotate("", xy=(j, y), xytext=(level, y), arrowprops=dict(arrowstyle="->", color=f"C{hop - 2}", lw=2,
+                                                                          connectionstyle="arc3,rad=0.3"))
+            ax.text((level + j) / 2, y - 0.42, f"block {hop}: '{st}' reads the value of '{stmts[j]}'", ha="center",
+                    fontsize=9, color=f"C{hop - 2}")
+    ax.text(-0.4, 0.15, "block 1 (gray arrows): each right-hand side takes in its statement's name (two tokens back): the key "
+            "a later lookup matches", fontsize=9, color="0.3")
+    ax.set(xlim=(-0.6, len(stmts) - 0.4), ylim=(0, 3.5))
+    ax.axis("off")
+    ax.set_title("One construction: a k-hop statement (k >= 2) in k blocks: names to right-hand sides, then one lookup "
+                 "per hop after the first",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def answer(text: str, rounds: int) -> list:
