@@ -178,6 +178,9 @@ def test_figures_take_reference_lines_and_the_rerun_seeds():
     acc = {s: {k: {2: 0.9, 3: 0.2 * k} for k in (1, 2, 3)} for s in (0, 1)}
     ax = tour.test_time_figure(acc, {1: 1.0, 2: 0.56, 3: 0.59}).axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()][-2:] == ["chance: 0.25", "no-chain rule, 3 hops: 0.59"]
+    zoomed = tour.test_time_figure(acc, {3: 0.59}, ylim=(0.97, 1.0), title="zoomed").axes[0]  # lines out of view: no entry
+    assert zoomed.get_title() == "zoomed" and not any(
+        w in t.get_text() for t in zoomed.get_legend().get_texts() for w in ("chance", "rule"))
     res = _fake_result([0.5] * 5, [0.5] * 5, [None] * 5)
     fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "K=3 again": [(1.0, 5000, True)] * 5})
     assert [t.get_text() for t in fig.axes[1].get_xticklabels()][-1].startswith("AsymLoop K = 3\nagain")

@@ -333,26 +333,31 @@ def trained_chain_model(seed: int):
     return model.eval()
 
 
-def test_time_figure(acc: dict, rule: dict | None = None, ylim: tuple = (0, 1.03)) -> NotebookFigure:
+def test_time_figure(acc: dict, rule: dict | None = None, ylim: tuple = (0, 1.03),
+                     title: str = "The same trained weights: 3 hops need the iterations") -> NotebookFigure:
     """3-hop accuracy (and, in grey, 2-hop) of trained K = 3 models run with k iterations: acc = {seed: {k: {hops:
-    accuracy}}}; chance and the no-chain rule's 3-hop accuracy (frequency_rule) as reference lines; ylim zooms."""
-    fig = NotebookFigure(figsize=(7, 4))
+    accuracy}}}; chance and the no-chain rule's 3-hop accuracy (frequency_rule) as reference lines, drawn only where
+    they fall inside ylim; ylim zooms. The legend sits outside the axes, clear of the curves and the "trained K" mark."""
+    fig = NotebookFigure(figsize=(8.5, 4))
     ax = fig.subplots()
     for j, (seed, by_k) in enumerate(sorted(acc.items())):
         ks = sorted(by_k)
         ax.plot(ks, [by_k[k][3] for k in ks], "o-", color=f"C{j}", label=f"seed {seed}: 3 hops")
     for j, by_k in enumerate(acc.values()):  # after the 3-hop lines, so the legend lists the seeds first
         ax.plot(ks, [by_k[k][2] for k in ks], "s:", color="0.6", ms=3, lw=1, label="2 hops (each seed)" if j == 0 else None)
-    ax.axhline(CHANCE, color="0.6", ls="-.", lw=1, label=f"chance: {CHANCE}")
+    refs = [(CHANCE, "-.", "0.6", f"chance: {CHANCE}")]
     if rule:
-        ax.axhline(rule[3], color="0.3", ls="--", lw=1, label=f"no-chain rule, 3 hops: {rule[3]:.2f}")
+        refs.append((rule[3], "--", "0.3", f"no-chain rule, 3 hops: {rule[3]:.2f}"))
+    for y, ls, color, label in refs:
+        if ylim[0] <= y <= ylim[1]:  # a line outside the zoomed axis gets no legend entry
+            ax.axhline(y, color=color, ls=ls, lw=1, label=label)
     ax.axvline(3, color="0.5", ls=":", lw=1)
     ax.text(3.05, 0.7, "trained K", color="0.4", transform=ax.get_xaxis_transform())
     ax.set_xticks(ks)
     ax.set_xlabel("iterations k at test time (effective depth 1 + k)")
     ax.set_ylabel("accuracy on fresh programs")
     ax.set_ylim(*ylim)
-    ax.set_title("The same trained weights: 3 hops need the iterations")
-    ax.legend(fontsize=8, loc="center right" if ylim[0] < CHANCE else "lower center")  # zoomed: below the curves
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside the axes
     fig.tight_layout()
     return fig
