@@ -1,6 +1,8 @@
 """Notebook 01's plumbing: small tables for the numeric trace of joint attention, the checks that compare a piece
 built in the notebook with the package's module (and show a wrong version failing), and the build's reference."""
 
+import time
+
 import torch
 
 from minimal_asymloop.course.draw import COLORS, FONT, NotebookFigure
@@ -256,3 +258,17 @@ def decoder_loop(model, H, n_iter: int, global_from_state: bool = False, probs=j
 def asymloop(model, idx, n_iter: int, probs=joint_softmax):  # tokens (B, N) -> logits (B, N, vocab)
     H = encoder(model, model.embed.weight[idx])
     return rms_norm(decoder_loop(model, H, n_iter, probs=probs)[-1], model.norm.weight, model.norm.eps) @ model.head.weight.T
+
+
+def train_lag(model, batch, steps: int, lr: float = 1e-2) -> float:
+    """Notebook 01's section 5: `steps` AdamW steps of the package's forward on batch() -> (tokens, targets), targets
+    -100 where there is none; returns the CPU seconds taken."""
+    import torch.nn.functional as F
+    opt, cpu = torch.optim.AdamW(model.parameters(), lr=lr), time.process_time()
+    for _ in range(steps):
+        x, y = batch()
+        loss = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return time.process_time() - cpu
