@@ -212,3 +212,7 @@ def test_both_halves_claim_is_a_multiple_of_the_uniform_share(ctx):
     assert not chain.lookup_claims({"stmt": stmt}, qhops, local=True)
     stmt[1, 0, :, :, :, 1, 1] = 1.6 * u
     assert chain.lookup_claims({"stmt": stmt}, qhops, local=True)
+
+
+def test_k1_without_global_kv_is_dense_l2_on_the_task(ctx):
+    assert chain_build.k1_without_global_is_dense(ctx.task, seeds=(0,)) == 0

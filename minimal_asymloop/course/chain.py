@@ -118,12 +118,11 @@ def plot_depth(grid: ChainRuns, names) -> Figure:
                 xlim=axes[0].get_xlim())
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    k1 = f"AsymLoop K=1 (depth 2) converges in {grid.solved('asymloop_k1').sum()} of {len(grid.seeds)} seeds, its best " \
-         f"3-hop accuracies {', '.join(f'{a:.2f}' for a in sorted(grid.acc('asymloop_k1', 3))[::-1][:2])}; " \
+    k1 = f"AsymLoop K=1 (depth 2) converges in {grid.solved('asymloop_k1').sum()}/{len(grid.seeds)} seeds (best 3-hop " \
+         f"{', '.join(f'{a:.2f}' for a in sorted(grid.acc('asymloop_k1', 3))[::-1][:2])}); " \
         if "asymloop_k1" in names else ""
-    fig.suptitle(f"Dense L=1-2 never learns even 2 hops; {k1}from depth 3 on, some seeds converge within {max_steps:,} "
-                 f"steps\n(filled: converged; dotted: the {bar} bar)")
-    fig.tight_layout()
+    fig.suptitle(f"Dense L=1-2 never learns even 2 hops; {k1}from depth 3 on, some seeds converge", fontsize=11)
+    fig.tight_layout(w_pad=0.5)
     return fig
 
 
@@ -369,7 +368,8 @@ def plot_lookups(look: dict, qhops) -> Figure:
     again = ", ".join(f"{shares(look[k], qhops, 3).sum(-1)[1, 1] / u:.1f}x" for k in keys if k[0] == "asymloop_k3")
     seeds = ", ".join(str(k[1]) for k in keys if k[0] == "asymloop_k3")
     fig.suptitle("3-hop queries: without Local KV, iteration 1 looks at j=1 and iteration 2 at j=2. With both halves, "
-                 f"iteration 2 looks at j=1\nagain, mostly via Local: mean over heads {again} the uniform share (seeds {seeds})",
+                 f"iteration 2 looks at j=1\nagain, mostly via Local. Its two halves summed (not drawn): {again} the "
+                 f"uniform {u:.2f} (seeds {seeds})",
                  fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig

@@ -1,16 +1,20 @@
 """Notebook 03's task and its build: one program as the model sees it, the construction drawn block by block, the
 one-lookup-per-round resolver (the package's answer after r rounds on a small program, the check of the reader's
 version against it, the reference steps, a resolver's score by hops), the score of a rule that follows no chain (the
-plateau's reference), and one program's attention, statement by statement, at every decoder iteration."""
+plateau's reference), and one program's attention, statement by statement, at every decoder iteration;
+the check that this task's AsymLoop K = 1 without Global KV is Dense L = 2."""
 
 import copy
+from dataclasses import replace
 
 import torch
 from matplotlib import patheffects
 from matplotlib.figure import Figure
 
+from minimal_asymloop import experiments as ex
 from minimal_asymloop.course import chain
 from minimal_asymloop.course.tour import CHECK_SEED, frequency_rule
+from minimal_asymloop.model import LoopedLM
 from minimal_asymloop.probes import attention_maps, chain_back
 from minimal_asymloop.tasks import ChainTask, solve
 
@@ -183,3 +187,19 @@ def depth_at_test_time(grid, loops) -> dict:
     seed3 = {h: " ".join(f"{grid.acc('asymloop_k1', h, k)[3]:.2f}" for k in range(1, 5)) for h in (2, 3)}
     print(f"failed AsymLoop K=1, seed 3, at test-time K=1..4: 2-hop {seed3[2]}, 3-hop {seed3[3]}")
     return dict(gain=list(gain.values()), drop=drop, at_k1=at_k1, at_k2=at_k2, solved_k2=solved_k2)
+
+
+@torch.no_grad()
+def k1_without_global_is_dense(task: ChainTask, seeds=(0, 1, 2)) -> float:
+    """This task's AsymLoop E = D = 1 at K = 1 without Global KV against Dense L = 2, each built from the same seed:
+    the largest |logit difference| on 4 check programs (0 where they compute the same function)."""
+    cfgs = ex.chain_models(task)
+    idx = task.batch(4, torch.Generator().manual_seed(CHECK_SEED))[0]
+    gap = 0.0
+    for s in seeds:
+        built = []
+        for cfg in (cfgs["dense_l2"], replace(cfgs["asymloop_k3_no_global"], n_iter=1)):
+            torch.manual_seed(s)
+            built.append(LoopedLM(cfg).eval())
+        gap = max(gap, (built[0](idx)[0] - built[1](idx)[0]).abs().max().item())
+    return gap

@@ -106,9 +106,12 @@ def matched_depth(runs: LMRuns) -> dict:
     """Print AsymLoop minus its matched-depth baseline, within seed, beside the paper's differences within one table;
     return {(baseline, asymloop): per-seed differences}."""
     diffs = {(b, a): within(runs, a, b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
-    print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better). Paper: 60M, 17.6 "
-          "tokens/param, each difference within one table;\n  Table 3: recipe not stated in the table | "
-          "Table 6 (K=1: w/o Global KV = Dense) and Table 7: uniform LR, QKNorm | Table 8: uniform LR, AsymLoop w/o QKNorm")
+    print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better).\n"
+          "The paper's columns (60M, 17.6 tokens/param), each difference within one table:\n"
+          "  Table 3: effect of recurrent depth; learning-rate recipe not stated\n"
+          "  Table 6: Global KV and recurrent depth; uniform LR, QKNorm (K = 1 w/o Global KV is Dense)\n"
+          "  Table 7: context-access variants; uniform LR, QKNorm\n"
+          "  Table 8: additional validation results; uniform LR, AsymLoop w/o QKNorm")
     print(f"{'pair (our depth)':>32} | {'Table 3':>7} | {'Table 6':>7} | {'Table 7':>7} | {'Table 8':>7} | "
           f"{'ours: uniform, ' + format(runs.tpp, '.1f') + ' tok/param':>26} | per seed")
     for base, asym in PAIRS:
