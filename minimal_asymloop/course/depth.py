@@ -107,9 +107,11 @@ def matched_depth(runs: LMRuns) -> dict:
     return {(baseline, asymloop): per-seed differences}."""
     diffs = {(b, a): within(runs, a, b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
     print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better).\n"
-          "The paper's columns (60M, 17.6 tokens/param), each difference within one table:\n"
+          "The paper's columns, each difference within one table (60M: Tables 6-8 do not say it; their AsymLoop\n"
+          "  rows equal Table 4a's 60M values; 17.6 tokens/param from Section 4.1):\n"
           "  Table 3: effect of recurrent depth; learning-rate recipe not stated\n"
-          "  Table 6: Global KV and recurrent depth; uniform LR, QKNorm (K = 1 w/o Global KV is Dense)\n"
+          "  Table 6: Global KV and recurrent depth; uniform LR, QKNorm (K = 1 w/o Global KV has Dense's\n"
+          "    architecture, ours checked; a run other than Table 8's Dense, CE 3.260346 against 3.271820)\n"
           "  Table 7: context-access variants; uniform LR, QKNorm\n"
           "  Table 8: additional validation results; uniform LR, AsymLoop w/o QKNorm")
     print(f"{'pair (our depth)':>32} | {'Table 3':>7} | {'Table 6':>7} | {'Table 7':>7} | {'Table 8':>7} | "
@@ -238,7 +240,7 @@ def gains(runs: LMRuns) -> dict:
 
 
 def gain_table(runs: LMRuns, g: dict):
-    print(f"G(K) = loss without Global KV minus with it, nats/token | paper: Table 6, 60M, uniform LR, "
+    print(f"G(K) = loss without Global KV minus with it, nats/token | paper: Table 6 (60M: its K = 3 row is Table 4a's), uniform LR, "
           f"{paper_tokens_per_param():.1f} tokens/param | ours: uniform LR, {runs.tpp:.1f} tokens/param")
     print(f"{'K':>2} {'Table 6':>8} {'ours, mean ± std':>18}   per seed")
     for k, x in g.items():

@@ -13,7 +13,7 @@
 import numpy as np
 from matplotlib.figure import Figure
 
-LABELS = {"fixed_k3": "fixed K=3 (the paper)", "lognormal_k3": "log-normal Poisson, E[K]=3 (Huginn)",
+LABELS = {"fixed_k3": "fixed K=3 training (the paper)", "lognormal_k3": "log-normal Poisson, E[K]=3 (Huginn)",
           "uniform_k1_5": "uniform K in 1..5"}
 
 
