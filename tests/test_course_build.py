@@ -1,6 +1,6 @@
 import pytest
 
-from minimal_asymloop.course.build import yours_or_reference
+from minimal_asymloop.course.build import passes, yours_or_reference
 
 
 def _reference(x):
@@ -30,3 +30,7 @@ def test_a_wrong_or_unwritten_version_gets_the_reference_said_in_one_line(wrong,
 def test_a_check_that_rejects_the_reference_is_an_error():
     with pytest.raises(AssertionError):
         yours_or_reference(lambda x: x, lambda x: x + 1, _check)
+
+
+def test_passes_tells_a_right_version_from_a_wrong_one():
+    assert passes(_check, _reference) and not passes(_check, lambda x: x)

@@ -317,19 +317,18 @@ def ref_hill(e, i: int) -> float:
 
 
 def ref_multipliers(alphas: dict, top=None, lo: float = 1.0, hi: float = 5.0) -> dict:
-    """ALRS's map: a line from the smallest block alpha (lo) to the largest (hi); the `top` names are pinned at hi and
-    stay out of the min and max."""
+    """ALRS's map, the package's own (alrs.multipliers_from_alphas): a line from the smallest block alpha (lo) to the
+    largest (hi); the `top` names (default: the pinned embedding and head) are set to hi and stay out of the min and max."""
     from minimal_asymloop import alrs
 
-    top = alrs.TOP_NAMES if top is None else top
-    ranged = {k: a for k, a in alphas.items() if k not in top}
-    a_min, a_max = min(ranged.values()), max(ranged.values())
-    return {k: hi if k in top else lo + (hi - lo) * (a - a_min) / (a_max - a_min) for k, a in alphas.items()}
+    return alrs.multipliers_from_alphas(alphas, lo, hi, top=alrs.TOP_NAMES if top is None else top)
 
 
 def ref_ramp(start: float, target: float, step: int, ramp_from: int, length: int) -> float:
-    """Linear from start (at ramp_from) to target over `length` steps, then flat at target."""
-    return start + (target - start) * min(1.0, max(0.0, (step - ramp_from) / length))
+    """Linear from start (at ramp_from) to target over `length` steps, then flat at target: the package's alrs.ramp."""
+    from minimal_asymloop import alrs
+
+    return alrs.ramp(start, target, step, ramp_from, length)
 
 
 def random_alpha_scatter(shape: tuple[int, int], draws: int, generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:

@@ -5,6 +5,16 @@ reference, so that the cells after it run either way (and nbval runs the noteboo
 from collections.abc import Callable
 
 
+def passes(check: Callable, f) -> bool:
+    """Whether `f` passes a build step's check (which raises AssertionError on a wrong version): a notebook shows each
+    wrong version failing with it."""
+    try:
+        check(f)
+    except AssertionError:
+        return False
+    return True
+
+
 def yours_or_reference(yours, reference, check: Callable, name: str | None = None):
     """`yours` if check(yours) passes (returns without raising), else `reference`, with one printed line that says
     which and why. `check` raises (AssertionError, or any error an unwritten line causes) on a wrong version. The

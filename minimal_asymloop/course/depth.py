@@ -15,7 +15,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from minimal_asymloop import experiments as ex
-from minimal_asymloop.course.depth_build import block, global_kv, lens_losses, passes, within  # noqa: F401 (the builds' references)
+from minimal_asymloop.course.build import passes  # noqa: F401 (notebook 02 shows wrong versions failing with it)
+from minimal_asymloop.course.depth_build import block, global_kv, lens_losses, within  # noqa: F401 (the builds' references)
 from minimal_asymloop.course.depth_draw import CONTEXT_VARIANTS, context_figure  # noqa: F401 (section 3's drawing)
 from minimal_asymloop.flops import count_params
 from minimal_asymloop.model import ModelConfig

@@ -1,20 +1,10 @@
 """Notebook 02's build steps: the references for the lines it ships unwritten (course.build.yours_or_reference
-hands them back where the reader's version fails its check), and `passes`, which shows each wrong version failing."""
+hands them back where the reader's version fails its check)."""
 
 import numpy as np
 import torch.nn.functional as F
 
 from minimal_asymloop.model import causal_attention, joint_attention
-
-
-def passes(check, f) -> bool:
-    """Whether `f` passes a build step's check (which raises AssertionError on a wrong version): the notebook shows
-    each wrong version failing with it."""
-    try:
-        check(f)
-    except AssertionError:
-        return False
-    return True
 
 
 def global_kv(a, h_norm, rope):
@@ -37,7 +27,6 @@ def block(blk, z, kv_g, rope):
 def lens_losses(m, zs, targets) -> list[float]:
     """The logit lens on states zs: the final norm and the head on each (m.logits), cross-entropy to the targets."""
     return [F.cross_entropy(m.logits(z).flatten(0, 1), targets.flatten(), ignore_index=-1).item() for z in zs]
-
 
 
 def within(runs, a: str, b: str) -> np.ndarray:
