@@ -91,7 +91,7 @@ def fig_frontier(result: dict, task: str = "lm", seed: int | None = None, title:
     fix = np.array(sorted((r["flops_per_token"] / unit, r["ce"]) for r in base["fixed"]))
     ax.plot(*fix.T, "x", c="k", label=f"fixed_k3 model, seed {seed}, run at fixed K = 1..{len(fix)}")
     ax.plot(fix[:, 0], np.minimum.accumulate(fix[:, 1]), "--", c="k", alpha=0.6,
-            label="its fixed-K frontier (lowest loss at no more FLOPs):\nevery recipe's exit rule is measured against it")
+            label="its fixed-K frontier (linear between two fixed K: a per-\nsequence mix of them); every exit rule is measured against it")
     points, taus = [tuple(p) for p in fix], []
     for recipe, run in pick.items():
         ada = [a for a in run["sweep"]["adaptive"] if a["tau"] > 0]  # tau = 0 is fixed K = 8
