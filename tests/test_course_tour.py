@@ -104,6 +104,25 @@ def test_my_states_reference_matches_the_package_and_the_mistake_does_not():
     assert torch.equal(wrong[0], pkg[0]) and not torch.equal(wrong[-1], pkg[-1])
 
 
+def test_notebook_00s_build_check_passes_the_reference_and_fails_both_wrong_versions():
+    from minimal_asymloop.course import build
+    from minimal_asymloop.model import LoopedLM
+    torch.manual_seed(0)
+    m = LoopedLM(ModelConfig(arch="asymloop", n_layer=4, d_model=32, n_head=2, d_ff=64, vocab_size=32, max_seq_len=16)).eval()
+    x = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        pkg = m.states(x, n_iter=3)
+
+    def check(f):  # the notebook's: every z_k at K = 3 bit for bit
+        with torch.no_grad():
+            out = f(m, x, 3)
+        assert len(out) == len(pkg) and all(torch.equal(u, v) for u, v in zip(out, pkg))
+
+    assert build.passes(check, tour.my_states)
+    assert not build.passes(check, lambda m, idx, K: tour.my_states(m, idx, K, recompute=True))  # Global KV from z_{k-1}
+    assert not build.passes(check, lambda m, idx, K: tour.my_states(m, idx, 1) * K)  # no loop: z_1 repeated
+
+
 def test_seeds_summary_names_the_converged_seeds():
     res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995], [500, 750, None, None, 1000])
     lines = tour.seeds_summary(res, {"x": [(0.5, 6000, False), (1.0, 750, True)]}).splitlines()
