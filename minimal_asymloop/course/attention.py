@@ -132,8 +132,8 @@ def decoder_look_figure(shares: dict, acc: dict, chance: float):
     ax.set_xticks([3 * i + 0.5 for i in range(len(shares))], [f"{init} init" for init in shares])
     ax.set_ylim(0, 1)
     ax.set_ylabel("Global share of the mass")
-    ax.set_title("Training moves the mass toward Global, by how much depends on the init", fontsize=FONT)
-    ax.legend(fontsize=FONT - 2.5, loc="lower right")
+    ax.set_title("Where the attention mass sits depends on the init", fontsize=FONT)
+    ax.legend(fontsize=FONT - 2.5, loc="upper left")
     names = list(next(iter(acc.values())))  # what is masked; a bar's colour: what is left (both, Local, Global)
     for i, (init, a) in enumerate(acc.items()):
         xs = [4 * i + j for j in range(len(names))]
