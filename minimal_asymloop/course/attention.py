@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from minimal_asymloop.course.draw import COLORS, FONT, NotebookFigure
+from minimal_asymloop.course.draw import COLORS, FONT, GREY, NotebookFigure
 
 
 def key_labels(n: int) -> list[str]:
@@ -116,17 +116,48 @@ def plt_purples(n: int) -> list:
     return [colormaps["Purples"](0.45 + 0.5 * i / max(n - 1, 1)) for i in range(n)]
 
 
-def share_table(before: torch.Tensor, after: torch.Tensor, title: str):
-    """Print two (K, D) Global shares (probes.global_attention_share) side by side, one row per iteration k, then the
-    mean over layers and iterations and in how many (k, layer) cells the share rose."""
-    if before.shape != after.shape or before.dim() != 2:
-        raise ValueError(f"shares {tuple(before.shape)} and {tuple(after.shape)} must both be (K, D)")
-    print(f"{title}\nshare of each query's attention mass on Global KV (the rest is on Local KV): init -> trained")
-    print(" " * 8 + "".join(f"{f'layer {d}':>16}" for d in range(before.size(1))))
-    for k, (b, a) in enumerate(zip(before.tolist(), after.tolist()), start=1):
-        print(f"{f'k = {k}':>8}" + "".join(f"{f'{x:.2f} -> {y:.2f}':>16}" for x, y in zip(b, a)))
-    rose = (after > before).sum().item()
-    print(f"mean {before.mean():.2f} -> {after.mean():.2f}; higher after training in {rose} of {after.numel()} (k, layer) cells")
+def decoder_look_figure(shares: dict, acc: dict, chance: float):
+    """Notebook 01, section 5, per init: left, the Global share of the mass at init and after training (bar: the mean;
+    dots: the K x D (k, layer) cells); right, accuracy with nothing, the Global half or the Local half masked."""
+    fig = NotebookFigure(figsize=(10, 3.4), layout="constrained")
+    ax, bx = fig.subplots(1, 2)
+    for i, pair in enumerate(shares.values()):
+        for j, s in enumerate(pair):  # j = 0: at init, 1: trained
+            x = 3 * i + j
+            ax.bar(x, s.mean().item(), color=COLORS["global_kv"] if j else GREY, width=0.8,
+                   label=("at init", "trained")[j] if i == 0 else None)
+            ax.scatter([x] * s.numel(), s.flatten().tolist(), color="black", s=12, zorder=3,
+                       label="one (k, layer) cell" if i == j == 0 else None)
+    ax.axhline(0.5, color=COLORS["head"], ls=":", lw=1)
+    ax.set_xticks([3 * i + 0.5 for i in range(len(shares))], [f"{init} init" for init in shares])
+    ax.set_ylim(0, 1.15)
+    ax.set_ylabel("Global share of the mass")
+    ax.set_title("Where the attention mass sits depends on the init", fontsize=FONT)
+    ax.legend(fontsize=FONT - 2.5, loc="upper center", ncol=3)
+    names = list(next(iter(acc.values())))  # what is masked; a bar's colour: what is left (both, Local, Global)
+    for i, (init, a) in enumerate(acc.items()):
+        xs = [4 * i + j for j in range(len(names))]
+        bars = bx.bar(xs, list(a.values()), width=0.8, color=[COLORS["joint_attention"], COLORS["loop"], COLORS["global_kv"]])
+        bx.bar_label(bars, fmt="%.2f", fontsize=FONT - 2)
+        bx.text(4 * i + 1, 1.13, f"{init} init", ha="center", fontsize=FONT - 1)
+    bx.axhline(chance, color=COLORS["head"], ls=":", lw=1)
+    bx.text(3, chance + 0.03, f"chance\n{chance:.2f}", ha="center", fontsize=FONT - 2.5)
+    bx.set_xticks([4 * i + j for i in range(len(acc)) for j in range(len(names))], names * len(acc), fontsize=FONT - 2)
+    bx.set_xlabel("half masked, all layers and iterations (colour: the half left)")
+    bx.set_ylim(0, 1.22)
+    bx.set_ylabel("accuracy, new sequences")
+    bx.set_title("From either init, masking the Global half leaves chance", fontsize=FONT, pad=18)
+    return fig
+
+
+def print_verdicts(acc: dict, read: dict, holds: dict):
+    """Notebook 01, section 5, per init: accuracy with each half masked, how often token j is read back from position
+    j of H, z_1, ..., z_K, and whether each claim holds."""
+    for init in acc:
+        print(f"{init} init: accuracy, masking", ", ".join(f"{n}: {a:.2f}" for n, a in acc[init].items()),
+              "| token j read back from H, z_1..z_K:", ", ".join(f"{r:.2f}" for r in read[init]))
+        for claim, h in holds[init].items():
+            print(f"  {'holds' if h else 'does NOT hold'}: {claim}")
 
 
 # The build of notebook 01, section 4, as the package's reference: the notebook's unwritten steps (global_kv,
