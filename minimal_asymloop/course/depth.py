@@ -16,7 +16,7 @@ from matplotlib.ticker import MaxNLocator
 
 from minimal_asymloop import experiments as ex
 from minimal_asymloop.course.build import passes  # noqa: F401 (notebook 02 shows wrong versions failing with it)
-from minimal_asymloop.course.depth_build import block, global_kv, lens_losses, within  # noqa: F401 (the builds' references)
+from minimal_asymloop.course.depth_build import block, dec, global_kv, lens_losses, unroll, unroll_kv_from_state, within  # noqa: F401 (the builds' references, a wrong wiring)
 from minimal_asymloop.course.depth_draw import CONTEXT_VARIANTS, context_figure  # noqa: F401 (section 3's drawing)
 from minimal_asymloop.flops import count_params
 from minimal_asymloop.model import ModelConfig
@@ -241,26 +241,6 @@ def gains(runs: LMRuns) -> dict:
             if runs.have(no_global[k]) and runs.have(f"asymloop_k{k}")}
 
 
-def context_table(runs: LMRuns, k: int):
-    """Each context-access variant at K minus AsymLoop K with Global KV, within seed; the paper's K=3 beside it."""
-    print(f"K={k}: variant minus AsymLoop with Global KV (nats/token; above 0: the variant is worse)")
-    print(f"{'variant':>22} {'paper (uniform LR; 60M inferred)':>33} {'ours, mean ± std':>18}   per seed")
-    ref = runs.loss(f"asymloop_k{k}")
-    for v in ("no_global", "additive", "no_local"):
-        n = f"asymloop_k{k}_{v}"
-        if k == 3 and n in TABLE7:
-            paper = f"Table 7 {math.log(TABLE7[n] / TABLE7['asymloop_k3']):+.3f}"
-        elif k in TABLE4A and v in TABLE4A[k]:
-            paper = f"Table 4a {math.log(TABLE4A[k][v] / TABLE4A[k]['asymloop']):+.3f}"
-        else:
-            paper = "no run"
-        if runs.have(n):
-            d = runs.loss(n) - ref
-            print(f"{n:>22} {paper:>33} {ms(d):>18}   " + " ".join(f"{x:+.3f}" for x in d))
-        else:
-            print(f"{n:>22} {paper:>33} {'not run':>18}")
-
-
 VARIANTS = {"no_global": "without Global KV", "additive": "additive injection", "no_local": "without Local KV"}
 
 
@@ -319,7 +299,8 @@ def plot_variants(runs: LMRuns, ks=(1, 3, 5)) -> Figure:
     g = runs.loss("asymloop_k5_no_global") - runs.loss("asymloop_k5") > runs.loss("dense") - runs.loss("asymloop_k1")
     fig.suptitle(("Removing Global KV costs more at K = 5 than at K = 1 in every seed" if g.all() else
                   "The cost of removing Global KV does not grow with K in every seed")
-                 + ("; additive injection is ahead in every (K > 1, seed), unlike Table 7" if verdict["additive"] == 0 else ""), fontsize=11)
+                 + ("; additive injection is ahead in every (K > 1, seed), unlike Table 7" if verdict["additive"] == 0 else ""),
+                 fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -366,20 +347,30 @@ def train_live(runs: LMRuns, steps: int = 60, seed: int = 0, names=tuple(LIVE_AR
     total = runs.setting["steps"]
     if not 1 <= steps <= total:
         raise ValueError(f"steps must be in 1..{total} (the stored runs' schedule), got {steps}")
-    out = {}
-    for name in names:
-        cfg = ex.lm_config("dense") if name == "dense" else ex.lm_config("asymloop", n_iter=3, **LIVE_ARMS[name])
-        folder = tempfile.mkdtemp(prefix="asymloop-live-")  # the trainer checkpoints; the model is kept in memory
-        t0, c0 = time.time(), time.process_time()
-        try:
-            result, model = ex.train_lm(cfg, ex.train_config(total, seed, folder, stop_step=steps, eval_interval=steps))
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        out[name] = dict(model=model, val_loss=result["val_loss"], seconds=time.time() - t0,
-                         cpu_seconds=time.process_time() - c0,
-                         train_loss=[(r["step"], r["loss"]) for r in result["history"] if "loss" in r])
-        print(f"{name:>22}: {steps} of {total} steps, seed {seed}: val loss {result['val_loss']:.3f} "
-              f"({out[name]['seconds']:.0f} s, {out[name]['cpu_seconds']:.0f} CPU s)")
+    out, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # the stored runs' setting, so the live losses can retrace them bit for bit
+    try:
+        for name in names:
+            out[name] = _train_one(name, total, steps, seed)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _train_one(name: str, total: int, steps: int, seed: int) -> dict:
+    """One live run: the stored run `name`'s first `steps` of its `total`-step schedule."""
+    cfg = ex.lm_config("dense") if name == "dense" else ex.lm_config("asymloop", n_iter=3, **LIVE_ARMS[name])
+    folder = tempfile.mkdtemp(prefix="asymloop-live-")  # the trainer checkpoints; the model is kept in memory
+    t0, c0 = time.time(), time.process_time()
+    try:
+        result, model = ex.train_lm(cfg, ex.train_config(total, seed, folder, stop_step=steps, eval_interval=steps))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    out = dict(model=model, val_loss=result["val_loss"], seconds=time.time() - t0,
+                     cpu_seconds=time.process_time() - c0,
+                     train_loss=[(r["step"], r["loss"]) for r in result["history"] if "loss" in r])
+    print(f"{name:>22}: {steps} of {total} steps, seed {seed}: val loss {result['val_loss']:.3f} "
+          f"({out['seconds']:.0f} s, {out['cpu_seconds']:.0f} CPU s)")
     return out
 
 
