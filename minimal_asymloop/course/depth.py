@@ -348,7 +348,7 @@ def train_live(runs: LMRuns, steps: int = 60, seed: int = 0, names=tuple(LIVE_AR
     if not 1 <= steps <= total:
         raise ValueError(f"steps must be in 1..{total} (the stored runs' schedule), got {steps}")
     out, threads = {}, torch.get_num_threads()
-    torch.set_num_threads(1)  # the stored runs' setting, so the live losses can retrace them bit for bit
+    torch.set_num_threads(1)  # the stored runs' setting, so the live losses retrace them (bit for bit on the same CPU kernels)
     try:
         for name in names:
             out[name] = _train_one(name, total, steps, seed)
