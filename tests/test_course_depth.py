@@ -38,16 +38,39 @@ def test_gain_at_k1_is_the_dense_pair_with_its_sign_flipped(runs):
     assert set(g) == {1, 3, 5}
 
 
-def test_context_table_names_the_paper_table_of_each_row(runs, capsys):
-    depth.context_table(runs, 5)
+def test_variant_table_names_the_paper_table_of_each_value(runs, capsys):
+    assert depth.paper_variant("no_local", 5) == (pytest.approx(math.log(25.465 / 24.619)), "Table 4a")
+    assert depth.paper_variant("no_global", 5) == (depth.TABLE6[5], "Table 6")  # Table 6's G(5), as CE difference
+    assert depth.paper_variant("additive", 5) is None  # Table 7 has no K=5 run
+    assert depth.variant_name("additive", 1) == depth.variant_name("no_global", 1) == "dense"  # K = 1: Dense
+    depth.variant_table(runs)
     out = capsys.readouterr().out
-    assert f"Table 4a {math.log(25.465 / 24.619):+.3f}" in out  # without Local KV at K=5, Table 4a's uniform rows
-    assert "asymloop_k5_additive" in out and "Table 7" not in out  # Table 7 has no K=5 run
+    line = next(x for x in out.splitlines() if x.strip().startswith("additive injection"))
+    want = (runs.loss("asymloop_k3_additive") - runs.loss("asymloop_k3")).mean()
+    assert f"{want:+.3f} ({math.log(25.116 / 24.727):+.3f})" in line
+
+
+def test_variant_figure_draws_each_seed_and_the_zero_line(runs):
+    fig = depth.plot_variants(runs)
+    assert len(fig.axes) == 3 and plt.get_fignums() == []
+    dots = [ln for ln in fig.axes[0].get_lines() if ln.get_marker() == "o"]
+    assert len(dots) == len(runs.seeds)  # one dot per seed at each K
+    g5 = runs.loss("asymloop_k5_no_global") - runs.loss("asymloop_k5")
+    assert sorted(d.get_ydata()[-1] for d in dots) == pytest.approx(sorted(g5))
+    assert ("every seed" in fig._suptitle.get_text()) and "unlike Table 7" in fig._suptitle.get_text()
+
+
+def test_matched_table_gives_like_for_like_paper_values_only(runs, capsys):
+    diffs = {(b, a): depth.within(runs, a, b) for b, a in depth.PAIRS}
+    depth.matched_table(runs, diffs)
+    out = capsys.readouterr().out
+    assert f"{math.log(24.727 / 25.053):+.3f} (Table 7)" in out and f"{3.238735 - 3.260346:+.3f} (Table 6)" in out
+    assert "Table 3" not in out and out.count("no like-for-like run") == 1  # depth 12: Tables 3 and 8 only
 
 
 def test_figures_build_without_pyplot(runs):
     figs = [depth.plot_matched(runs, depth.matched_depth(runs)), depth.plot_lens(runs, init=[6.9] * 8),
-            depth.plot_gain(runs, depth.gains(runs)), depth.plot_gaps(runs, ["full_loop_k2"])]
+            depth.plot_variants(runs)]
     assert plt.get_fignums() == []
     for fig in figs:
         assert all(ax.get_ylabel() for ax in fig.axes[:1]) and (fig._suptitle or fig.axes[0].get_title())
@@ -65,21 +88,12 @@ def test_paper_matched_takes_each_difference_within_one_table():
     assert p[("dense", "asymloop_k1")]["Table 8"] is None  # Table 8 has no AsymLoop K=1
 
 
-def test_k5_without_global_kv_is_table_4a(runs, capsys):
-    depth.context_table(runs, 5)
-    out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if "asymloop_k5_no_global" in x)
-    assert f"Table 4a {math.log(25.751 / 24.619):+.3f}" in line  # the paper has this run: Table 4a, K=5
-
-
 def test_a_model_keeps_its_colour_across_figures(runs):
-    # the logit-lens figure (either panel) and the training-gap figure draw the same model in the same colour
+    # the logit-lens figure (either panel) draws each model in its COLOR, as the live figures do
     lens = depth.plot_lens(runs, ["full_loop_k2", "asymloop_k3_additive"]).axes
-    gaps = depth.plot_gaps(runs, ["asymloop_k3_additive", "full_loop_k2"]).axes[0]
-    colour = {line.get_label(): line.get_color() for line in gaps.get_lines()}
     for n in ("full_loop_k2", "asymloop_k3_additive"):
         drawn = [h for ax in lens for h in ax.get_legend_handles_labels()[0] if h.get_label().startswith(n)][0]
-        assert drawn.lines[0].get_color() == colour[n] == depth.COLOR[n], n
+        assert drawn.lines[0].get_color() == depth.COLOR[n], n
 
 
 def test_lens_from_zero_reads_h_then_the_package_lens():
@@ -179,6 +193,9 @@ def test_build_references_match_the_package_and_catch_wrong_versions(runs):
         zs = m.states(x, n_iter=2)
         t = torch.roll(x, -1, 1)
         assert depth.lens_losses(m, zs, t)[-1] == pytest.approx(m(x, t, n_iter=2)[1].item(), abs=1e-5)
+        kv_wrong = depth.unroll_kv_from_state(m, h, kv, 3)
+        assert all(torch.equal(a, b) for a, b in zip(depth.unroll(m, h, kv, 3), m.states(x, n_iter=3)))
+        assert (kv_wrong[-1] - m.states(x, n_iter=3)[-1]).abs().max() > 1e-4
     g = depth.gains(runs)
     assert np.array_equal(depth.within(runs, "asymloop_k3_no_global", "asymloop_k3"), g[3])
 

@@ -16,7 +16,7 @@ from matplotlib.ticker import MaxNLocator
 
 from minimal_asymloop import experiments as ex
 from minimal_asymloop.course.build import passes  # noqa: F401 (notebook 02 shows wrong versions failing with it)
-from minimal_asymloop.course.depth_build import block, global_kv, lens_losses, within  # noqa: F401 (the builds' references)
+from minimal_asymloop.course.depth_build import block, dec, global_kv, lens_losses, unroll, unroll_kv_from_state, within  # noqa: F401 (the builds' references, a wrong wiring)
 from minimal_asymloop.course.depth_draw import CONTEXT_VARIANTS, context_figure  # noqa: F401 (section 3's drawing)
 from minimal_asymloop.flops import count_params
 from minimal_asymloop.model import ModelConfig
@@ -79,7 +79,8 @@ class LMRuns:
         tc = ex.train_config(s["steps"], 0, ".")
         print(f"our runs: L={s['model']['n_layer']} blocks of width {s['model']['d_model']} (AsymLoop E=D=2), "
               f"QKNorm in every model, uniform LR {s['train']['lr']}, {s['steps']} steps x {s['train']['global_batch']} x "
-              f"{s['train']['seq_len']} tokens = {b['tokens_per_param']:.1f} tokens/param; seeds {self.seeds}")
+              f"{s['train']['seq_len']} tokens = {b['tokens_per_param']:.1f} tokens/param "
+              f"(the paper's 60M: {paper_tokens_per_param():.1f}); seeds {self.seeds}")
         print(f"  schedule: linear warm-up over steps 1-{self.warmup()}, then cosine from the peak {s['train']['lr']} "
               f"down to {tc.min_lr_ratio:g} x peak at step {s['steps']}")
         seen = set()
@@ -240,49 +241,79 @@ def gains(runs: LMRuns) -> dict:
             if runs.have(no_global[k]) and runs.have(f"asymloop_k{k}")}
 
 
-def gain_table(runs: LMRuns, g: dict):
-    print(f"G(K) = loss without Global KV minus with it, nats/token | paper: Table 6 (60M: its K = 3 row is Table 4a's), uniform LR, "
-          f"{paper_tokens_per_param():.1f} tokens/param | ours: uniform LR, {runs.tpp:.1f} tokens/param")
-    print(f"{'K':>2} {'Table 6':>8} {'ours, mean ± std':>18}   per seed")
-    for k, x in g.items():
-        print(f"{k:>2} {TABLE6[k]:>8.3f} {ms(x):>18}   " + " ".join(f"{v:+.3f}" for v in x))
+VARIANTS = {"no_global": "without Global KV", "additive": "additive injection", "no_local": "without Local KV"}
 
 
-def context_table(runs: LMRuns, k: int):
-    """Each context-access variant at K minus AsymLoop K with Global KV, within seed; the paper's K=3 beside it."""
-    print(f"K={k}: variant minus AsymLoop with Global KV (nats/token; above 0: the variant is worse)")
-    print(f"{'variant':>22} {'paper (uniform LR; 60M inferred)':>33} {'ours, mean ± std':>18}   per seed")
-    ref = runs.loss(f"asymloop_k{k}")
-    for v in ("no_global", "additive", "no_local"):
-        n = f"asymloop_k{k}_{v}"
-        if k == 3 and n in TABLE7:
-            paper = f"Table 7 {math.log(TABLE7[n] / TABLE7['asymloop_k3']):+.3f}"
-        elif k in TABLE4A and v in TABLE4A[k]:
-            paper = f"Table 4a {math.log(TABLE4A[k][v] / TABLE4A[k]['asymloop']):+.3f}"
-        else:
-            paper = "no run"
-        if runs.have(n):
-            d = runs.loss(n) - ref
-            print(f"{n:>22} {paper:>33} {ms(d):>18}   " + " ".join(f"{x:+.3f}" for x in d))
-        else:
-            print(f"{n:>22} {paper:>33} {'not run':>18}")
+def variant_name(v: str, k: int) -> str:
+    """The stored run of variant v at K; at K = 1 without Global KV and additive injection are Dense (checked in 02)."""
+    return "dense" if k == 1 and v != "no_local" else f"asymloop_k{k}_{v}"
 
 
-def plot_gain(runs: LMRuns, g: dict) -> Figure:
-    fig = Figure(figsize=(7.5, 4.2))
-    ax = fig.subplots()
-    kk = sorted(g)
-    y = np.array([g[k] for k in kk])  # (K values, seeds)
-    for i in range(y.shape[1]):
-        ax.plot(kk, y[:, i], "o-", color="tab:blue", alpha=0.5, ms=7, label="ours, each seed" if i == 0 else None)
-    ax.plot(kk, y.mean(1), "D-", color="tab:blue", ms=8, label=f"ours, mean ({runs.tpp:.1f} tokens/param)")
-    ax.plot(list(TABLE6), list(TABLE6.values()), "ks--", label="paper, Table 6 (60M, uniform LR)")
-    ax.axhline(0, color="0.6", lw=0.8)
-    ax.set(xticks=[1, 3, 5], xlabel="decoder iterations K", ylabel="G(K) = loss without − with\nGlobal KV (nats/token)",
-           title="The Global KV gain grows with K, as in Table 6,\nbut varies widely between our seeds")
-    ax.legend(fontsize=9)
+def paper_variant(v: str, k: int):
+    """The paper's variant minus AsymLoop (uniform LR, QKNorm, 60M; nats/token) and its source, or None."""
+    if v == "no_global":
+        return TABLE6[k], "Table 6"
+    if v == "additive" and k == 3:
+        return math.log(TABLE7["asymloop_k3_additive"] / TABLE7["asymloop_k3"]), "Table 7"
+    if v == "no_local" and k in TABLE4A:
+        return math.log(TABLE4A[k]["no_local"] / TABLE4A[k]["asymloop"]), "Table 4a"
+    return None
+
+
+def variant_table(runs: LMRuns, ks=(1, 3, 5)):
+    """Each variant minus AsymLoop with Global KV at each K: our mean over seeds (the paper's in brackets)."""
+    print(f"variant minus AsymLoop with Global KV (nats/token; above 0: the variant is behind): ours, mean of "
+          f"{len(runs.seeds)} seeds (paper)\n{'':>19}" + "".join(f"{'K = ' + str(k):>18}" for k in ks))
+    for v, label in VARIANTS.items():
+        cells = []
+        for k in ks:
+            p = paper_variant(v, k)
+            d = runs.loss(variant_name(v, k)) - runs.loss(f"asymloop_k{k}")
+            cells.append(f"{d.mean():+.3f} ({'—' if p is None else f'{p[0]:+.3f}'})")
+        print(f"{label:>19}" + "".join(f"{c:>18}" for c in cells))
+    print("paper: Table 6 (without Global KV), Table 7 (additive, K = 3), Table 4a (without Local KV); uniform LR, "
+          f"QKNorm, {paper_tokens_per_param():.1f} tokens/param. Ours: {runs.tpp:.1f}. At K = 1 two variants are Dense.")
+
+
+def plot_variants(runs: LMRuns, ks=(1, 3, 5)) -> Figure:
+    """One panel per variant: its loss minus AsymLoop's with Global KV (the 0 line), one dot per seed, beside the paper."""
+    fig = Figure(figsize=(12, 4.2))
+    axes = fig.subplots(1, len(VARIANTS), sharey=True)
+    verdict = {}
+    for ax, (v, label) in zip(axes, VARIANTS.items()):
+        d = np.array([runs.loss(variant_name(v, k)) - runs.loss(f"asymloop_k{k}") for k in ks])  # (K, seeds)
+        for i in range(d.shape[1]):
+            ax.plot(ks, d[:, i], "o", color="tab:blue", alpha=0.6, ms=7, label="ours, each seed" if i == 0 else None)
+        ax.plot(ks, d.mean(1), "D-", color="tab:blue", ms=8, label=f"ours, mean ({runs.tpp:.1f} tokens/param)")
+        paper = [(k, paper_variant(v, k)) for k in ks if paper_variant(v, k) is not None]
+        ax.plot([k for k, _ in paper], [p[0] for _, p in paper], "ks--", ms=7,
+                label="paper (" + ", ".join(sorted({p[1] for _, p in paper})) + f"; {paper_tokens_per_param():.1f} tokens/param)")
+        ax.axhline(0, color="0.4", lw=1, label="AsymLoop with Global KV")
+        behind = int((d > 0).sum())
+        verdict[v] = int((d[1:] > 0).sum())  # K > 1: at K = 1 two variants are Dense
+        ax.set(xticks=list(ks), xlabel="decoder iterations K", title=f"{label}\nbehind in {behind} of {d.size} (K, seed)")
+        if v != "no_local":
+            ax.set_xticklabels([f"{k}\n(Dense)" if k == 1 else str(k) for k in ks])
+        ax.legend(fontsize=7.5, loc="upper left")
+    axes[0].set_ylabel("variant − AsymLoop with Global KV\n(nats/token, within seed; above 0: behind)")
+    g = runs.loss("asymloop_k5_no_global") - runs.loss("asymloop_k5") > runs.loss("dense") - runs.loss("asymloop_k1")
+    fig.suptitle(("Removing Global KV costs more at K = 5 than at K = 1 in every seed" if g.all() else
+                  "The cost of removing Global KV does not grow with K in every seed")
+                 + ("; additive injection is ahead in every (K > 1, seed), unlike Table 7" if verdict["additive"] == 0 else ""),
+                 fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def matched_table(runs: LMRuns, diffs: dict):
+    """AsymLoop minus its matched-depth baseline: our mean, seeds ahead, and the paper's like-for-like difference."""
+    print(f"AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop ahead)\n{'pair':>27} {'depth':>5} "
+          f"{'ours, mean ± std':>16} {'ahead in':>9}   paper, uniform LR and QKNorm (60M)")
+    for (b, a), d in diffs.items():
+        p = paper_matched(b, a)
+        src = next((f"{p[t]:+.3f} ({t})" for t in ("Table 6", "Table 7") if p[t] is not None), "no like-for-like run")
+        depth = runs.runs[(a, runs.seeds[0])]["effective_depth"]
+        print(f"{a + ' - ' + b:>27} {depth:>5} {ms(d):>16} {f'{(d < 0).sum()}/{len(d)}':>9}   {src}")
 
 
 def train_gap(runs: LMRuns, name, ref, seed, window=20) -> np.ndarray:
@@ -290,26 +321,6 @@ def train_gap(runs: LMRuns, name, ref, seed, window=20) -> np.ndarray:
     def smooth(n):
         return np.convolve([x[1] for x in runs.runs[(n, seed)]["train_loss"]], np.ones(window) / window, mode="valid")
     return smooth(name) - smooth(ref)
-
-
-def plot_gaps(runs: LMRuns, names, ref="asymloop_k3", window=20) -> Figure:
-    """Training loss of each model minus `ref`'s in the same seed (same batches), smoothed over `window` steps."""
-    fig = Figure(figsize=(11, 3.8))
-    axes = fig.subplots(1, len(runs.seeds), sharey=True)
-    for ax, s in zip(axes, runs.seeds):
-        for j, n in enumerate(names):
-            gap = train_gap(runs, n, ref, s, window)
-            ax.plot(np.arange(window, window + len(gap)), gap, color=COLOR[n], label=n,
-                    ls="--" if "additive" in n else "-", lw=2.4 if "no_global" in n else 1.4, zorder=3 - j)
-        ax.axhline(0, color="0.6", lw=0.8)
-        ax.axvline(runs.warmup(), color="0.4", ls=":", lw=1.2, label="end of LR warm-up" if s == runs.seeds[0] else None)
-        ax.set(xlabel="training step", title=f"seed {s}")
-    axes[0].set_ylabel(f"training loss − {ref}'s\n(nats/token)")
-    axes[0].legend(fontsize=8, loc="upper right")
-    fig.suptitle(f"Training loss relative to {ref} (same seed, same batches; above 0: behind it)\n"
-                 f"each point: the mean over the {window} steps up to it")
-    fig.tight_layout()
-    return fig
 
 
 def per_seed_table(runs: LMRuns, names):
@@ -332,24 +343,34 @@ LIVE_LABEL = {"asymloop_k3": "with Global KV", "asymloop_k3_no_global": "without
 def train_live(runs: LMRuns, steps: int = 60, seed: int = 0, names=tuple(LIVE_ARMS)) -> dict:
     """Train each model for the first `steps` steps of the stored runs' own schedule (same warm-up and cosine over
     the stored runs' step count, same init seed, same batches), so its losses are the stored run's first steps.
-    Returns {name: dict(model, val_loss, train_loss, seconds, cpu_seconds)}."""
+    names: LIVE_ARMS' models and "dense". Returns {name: dict(model, val_loss, train_loss, seconds, cpu_seconds)}."""
     total = runs.setting["steps"]
     if not 1 <= steps <= total:
         raise ValueError(f"steps must be in 1..{total} (the stored runs' schedule), got {steps}")
-    out = {}
-    for name in names:
-        cfg = ex.lm_config("asymloop", n_iter=3, **LIVE_ARMS[name])
-        folder = tempfile.mkdtemp(prefix="asymloop-live-")  # the trainer checkpoints; the model is kept in memory
-        t0, c0 = time.time(), time.process_time()
-        try:
-            result, model = ex.train_lm(cfg, ex.train_config(total, seed, folder, stop_step=steps, eval_interval=steps))
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        out[name] = dict(model=model, val_loss=result["val_loss"], seconds=time.time() - t0,
-                         cpu_seconds=time.process_time() - c0,
-                         train_loss=[(r["step"], r["loss"]) for r in result["history"] if "loss" in r])
-        print(f"{name:>22}: {steps} of {total} steps, seed {seed}: val loss {result['val_loss']:.3f} "
-              f"({out[name]['seconds']:.0f} s, {out[name]['cpu_seconds']:.0f} CPU s)")
+    out, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # the stored runs' setting, so the live losses retrace them (bit for bit on the same CPU kernels)
+    try:
+        for name in names:
+            out[name] = _train_one(name, total, steps, seed)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _train_one(name: str, total: int, steps: int, seed: int) -> dict:
+    """One live run: the stored run `name`'s first `steps` of its `total`-step schedule."""
+    cfg = ex.lm_config("dense") if name == "dense" else ex.lm_config("asymloop", n_iter=3, **LIVE_ARMS[name])
+    folder = tempfile.mkdtemp(prefix="asymloop-live-")  # the trainer checkpoints; the model is kept in memory
+    t0, c0 = time.time(), time.process_time()
+    try:
+        result, model = ex.train_lm(cfg, ex.train_config(total, seed, folder, stop_step=steps, eval_interval=steps))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    out = dict(model=model, val_loss=result["val_loss"], seconds=time.time() - t0,
+                     cpu_seconds=time.process_time() - c0,
+                     train_loss=[(r["step"], r["loss"]) for r in result["history"] if "loss" in r])
+    print(f"{name:>22}: {steps} of {total} steps, seed {seed}: val loss {result['val_loss']:.3f} "
+          f"({out['seconds']:.0f} s, {out['cpu_seconds']:.0f} CPU s)")
     return out
 
 

@@ -32,3 +32,28 @@ def lens_losses(m, zs, targets) -> list[float]:
 def within(runs, a: str, b: str) -> np.ndarray:
     """Reference for the reader's build: a's final validation loss minus b's, within seed (one value per seed)."""
     return runs.loss(a) - runs.loss(b)
+
+
+def dec(z, kv, m):
+    """z_k = Dec(z_{k-1}; K^G, V^G): decoder block l of model m on z, reading its own Global KV pair kv[l]."""
+    for blk, kv_g in zip(m.decoder, kv):
+        z = block(blk, z, kv_g, m.rope)
+    return z
+
+
+def unroll(m, H, kv, n_iter: int) -> list:
+    """[z_1, ..., z_K]: z_0 = H, then K decoder iterations, each reading the same Global KV `kv`."""
+    zs, z = [], H
+    for _ in range(n_iter):
+        z = dec(z, kv, m)
+        zs.append(z)
+    return zs
+
+
+def unroll_kv_from_state(m, H, kv, n_iter: int) -> list:
+    """A wrong wiring for notebook 02's check: Global KV remade from the state z_{k-1} at every k, not from H."""
+    zs, z = [], H
+    for _ in range(n_iter):
+        z = dec(z, [global_kv(b.attn, m.enc_norm(z), m.rope) for b in m.decoder], m)
+        zs.append(z)
+    return zs
