@@ -216,3 +216,57 @@ def test_exit_grid_writes_the_program_under_its_columns():
     fig = C.plot_exit_grid([2] * 32, hops[0].where(targets[0] >= 0, 0), 3, 0.1, tokens=chars)
     ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     assert ticks[0] == chars[0] and ticks[2].startswith(chars[2] + "\n") and ticks[2].endswith("h")
+
+
+def _fake_gaps(runs):
+    return {r["seed"]: {2: (0.1 * (j + 1), 0.02, 256), 3: (1.2 + 0.05 * j, 0.03, 212)} for j, r in enumerate(runs)}
+
+
+def test_exit_gap_figure_draws_each_seeds_gaps_and_the_fixed_k_reference():
+    runs = RES["chain"]["runs"]
+    fig = C.plot_exit_gaps(runs, _fake_gaps(runs))
+    left, right = fig.axes[:2]
+    assert fig._suptitle.get_text() and left.get_ylabel() and right.get_ylabel()
+    ys = sorted(round(float(line.get_ydata()[0]), 3) for line in left.lines if line.get_marker() in C.MARKERS)
+    assert ys == sorted(round(g[a][0], 3) for g in _fake_gaps(runs).values() for a in (2, 3))  # one dot per seed and hop
+    assert any(list(line.get_ydata()) == [0, 0] for line in left.lines)  # fixed K: gap 0
+    seed0 = next(line for line in right.lines if line.get_label() == f"seed {runs[0]['seed']}")
+    assert seed0.get_ydata()[0] == runs[0]["fixed"][1]["acc_by_hops"]["3"]  # fixed K = 2, not K = 1
+
+
+def test_chain_frontier_rings_only_the_thresholds_no_fixed_k_matches():
+    runs = RES["chain"]["runs"]
+    n = 2048
+    fig = C.plot_chain_frontier(runs, n)
+    for ax, run in zip(fig.axes, runs):
+        ring = next(line for line in ax.lines if line.get_label().startswith("no fixed K"))
+        alone = [t for t, k in C.beaten_by_fixed(run, "flops_vs_max", "acc", n).items() if k is None]
+        assert len(ring.get_xdata()) == len(alone)
+    assert len(next(line for line in fig.axes[0].lines if line.get_label().startswith("no fixed")).get_xdata()) == 1
+
+
+def test_seeds_summary_and_report_print_the_committed_numbers():
+    runs = RES["chain"]["runs"]
+    gaps = _fake_gaps(runs)
+    text = C.seeds_summary(runs, gaps, 287)
+    assert "3-hop +1.20 +1.25 +1.30" in text and "s.e. at most 0.030" in text
+    assert f"2-hop accuracy {runs[0]['fixed'][0]['acc_by_hops']['2']:.3f}" in text  # fixed K = 1's, not K = 2's
+    report = C.seeds_report(runs, gaps, 2048, 287)
+    assert report.count("cheapest fixed K as accurate") == len(runs) and "0.3: None" in report
+
+
+def test_seed_gaps_recomputes_later_exits_for_three_hop_answers():
+    from minimal_asymloop import adaptive as A
+
+    runs = RES["chain"]["runs"][1:2]
+    g = C.seed_gaps(runs, A.chain_batch(48))[runs[0]["seed"]]
+    assert g[3][0] > 0.5 > g[2][0] - 1 and g[3][2] > 10
+
+
+def test_lm_report_lists_every_recipe_and_the_sampled_runs_ahead_somewhere():
+    from minimal_asymloop.course import sampled_depth as SD
+
+    sd = json.loads((RESULTS / "sampled_depth.json").read_text())
+    text = SD.lm_report(sd)
+    assert text.count("closest threshold") == 3 and text.count("CE at K=8 minus K=3") == 3
+    assert text.count("below fixed_k3") == sum(min(r) < 0 for d in SD.within_seed(sd).values() for r in d["diff"])

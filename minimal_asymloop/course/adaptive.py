@@ -305,3 +305,110 @@ def answer_exits(exit_iter, hops, targets, tokens) -> str:
     """One program's answers as 'column character (hops): exit iteration', for the text under the exit grid."""
     return "; ".join(f"col {t} {tokens[t]} ({int(hops[t])}-hop): {int(exit_iter[t])}"
                      for t in range(len(tokens)) if targets[t] >= 0)
+
+
+# ---- sections 3 and 4 across the seeds: one figure each; the full per-seed text goes to the appendix ----
+
+def seed_gaps(runs: list[dict], batch, tau: float = 0.03, max_iter: int = 6, device: str = "cpu") -> dict:
+    """{seed: {a: paired_exit_gap(a-hop minus 1-hop)} for a = 2, 3}, recomputed from each seed's committed model on
+    `batch` (idx, targets, hops) at `tau`: adaptive.json stores means, not the per-program exits a standard error needs."""
+    from minimal_asymloop.adaptive import chain_model
+    from minimal_asymloop.generate import adaptive_logits
+    from minimal_asymloop.paths import RESULTS
+
+    idx, tg, hp = batch
+    out = {}
+    for run in runs:
+        m = chain_model(RESULTS / "chain_weights" / f"asymloop_k3-s{run['seed']}.safetensors").to(device)
+        ex = adaptive_logits(m, idx.to(device), tau, max_iter=max_iter)[1].cpu()
+        out[run["seed"]] = {a: paired_exit_gap(ex, tg, hp, a, 1) for a in (2, 3)}
+    return out
+
+
+def plot_exit_gaps(runs: list[dict], gaps: dict, tau: float = 0.03) -> Figure:
+    """Left: per seed, 2-hop and 3-hop answers' exit iteration minus 1-hop ones' (same program, ± one s.e.); a fixed K
+    runs every answer alike (0). Right: 3-hop accuracy of the rule at `tau` beside fixed K = 2 and 3, per seed."""
+    fig = Figure(figsize=(10, 3.8))
+    left, right = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1, 1.2]))
+    for j, (run, m) in enumerate(zip(runs, MARKERS)):
+        g = gaps[run["seed"]]
+        for x, a in enumerate((2, 3)):
+            left.errorbar(x + 0.08 * (j - 1), g[a][0], yerr=g[a][1], fmt=m, color=HOP_COLORS[str(a)], ms=7, capsize=3)
+        fx, r = {f["k"]: f for f in run["fixed"]}, at_tau(run["adaptive"], tau)
+        ys = [fx[2]["acc_by_hops"]["3"], r["acc_by_hops"]["3"], fx[3]["acc_by_hops"]["3"]]
+        right.plot([0, 1, 2], ys, m + "-", color="0.3", lw=0.8, ms=7, label=f"seed {run['seed']}")
+    left.axhline(0, ls="--", c="0.5", lw=1)
+    left.text(1.3, 0.04, "fixed K: every answer\nruns K iterations (0)", ha="right", color="0.4", fontsize=8)
+    left.set(xticks=[0, 1], xticklabels=["2-hop minus 1-hop", "3-hop minus 1-hop"], xlim=(-0.5, 1.5),
+             ylabel="exit iteration difference\n(same program, ± 1 s.e.)", title=f"Exit later at τ = {tau:g}")
+    right.set(xticks=[0, 1, 2], xticklabels=["fixed K=2", f"rule, τ={tau:g}", "fixed K=3"], ylim=(0.93, 1.003),
+              ylabel="3-hop accuracy (at K=1: chance, 0.25)", title="3-hop accuracy: the rule vs fixed depths")
+    right.legend(fontsize=8, loc="lower right")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle("3-hop answers run over one iteration longer than 1-hop ones in every seed; K = 2 nearly suffices")
+    fig.tight_layout()
+    return fig
+
+
+def plot_chain_frontier(runs: list[dict], n: int) -> Figure:
+    """Per seed, wrong answers (of `n`) against counted FLOPs (× fixed K_max): fixed K = 1..K_max (the frontier,
+    dashed) and the rule at each τ > 0; a red ring marks a τ that no fixed K matches (`beaten_by_fixed`)."""
+    fig = Figure(figsize=(11, 3.8))
+    axes = fig.subplots(1, len(runs), sharey=True)
+    for ax, run in zip(np.atleast_1d(axes), runs):
+        fixed, ad = run["fixed"], [r for r in run["adaptive"] if r["tau"] > 0]
+        wrong = lambda r: (1 - r["acc"]) * n  # noqa: E731
+        ax.plot([f["flops_vs_max"] for f in fixed], [wrong(f) for f in fixed], "x--", c="k", label="fixed K = 1..6")
+        for f in fixed:
+            ax.annotate(f"K={f['k']}", (f["flops_vs_max"], wrong(f)), textcoords="offset points", xytext=(-4, 6),
+                        fontsize=7)
+        ax.plot([r["flops_vs_max"] for r in ad], [wrong(r) for r in ad], "o-", c="C1", ms=4, label="exit rule, one dot per τ")
+        alone = [r for r in ad if beaten_by_fixed(run, "flops_vs_max", "acc", n)[r["tau"]] is None]
+        ax.plot([r["flops_vs_max"] for r in alone], [wrong(r) for r in alone], "o", mfc="none", mec="r", ms=10,
+                label="no fixed K as accurate for no more FLOPs")
+        ax.set(yscale="symlog", ylim=(0, 500), xlabel=f"counted FLOPs per token (× fixed K={len(fixed)})", title=f"seed {run['seed']}")
+        ax.grid(alpha=0.3)
+    np.atleast_1d(axes)[0].set_ylabel(f"wrong answers (of {n:,}; symlog)")
+    np.atleast_1d(axes)[-2].legend(fontsize=7, loc="upper right")
+    fig.suptitle("The rule is as accurate as K = 6 for fewer FLOPs, but a fixed K = 2 or 3 is too, for fewer still")
+    fig.tight_layout()
+    return fig
+
+
+def seeds_report(runs: list[dict], gaps: dict, n: int, n3: int, tau: float = 0.03) -> str:
+    """The per-seed numbers behind the two figures above, as text (the notebook's appendix)."""
+    lines = []
+    for run in runs:
+        r, fx, g = at_tau(run["adaptive"], tau), {f["k"]: f for f in run["fixed"]}, gaps[run["seed"]]
+        p, q = r["acc_by_hops"]["3"], fx[2]["acc_by_hops"]["3"]
+        other = (4 * r["mean_iter"] - r["mean_iter_scored"]) / 3  # answers are one position in four (x=y;)
+        lines += [f"seed {run['seed']}, tau={tau:g}: exit 1/2/3-hop " + "/".join(f"{r['iter_by_hops'][h]:.2f}" for h in "123")
+                  + f"; minus 1-hop per program: 2-hop {g[2][0]:+.2f} (s.e. {g[2][1]:.3f}), 3-hop {g[3][0]:+.2f} "
+                  f"(s.e. {g[3][1]:.3f}); answers {r['mean_iter_scored']:.2f}, other positions {other:.2f}",
+                  f"   3-hop accuracy: rule {p:.3f}, fixed K=2 {q:.3f} (s.e. of the difference "
+                  f"{((p * (1 - p) + q * (1 - q)) / n3) ** 0.5:.3f}); fixed K=1 by hops "
+                  + " ".join(f"{fx[1]['acc_by_hops'][h]:.3f}" for h in "123"),
+                  "   wrong answers at fixed K=1..6: " + " ".join(str(round((1 - f["acc"]) * n)) for f in run["fixed"])
+                  + "; per tau: " + " ".join(f"{a['tau']:g}:{round((1 - a['acc']) * n)}" for a in run["adaptive"]),
+                  f"   as accurate as K=6 for fewer FLOPs: tau in {cheaper_and_as_good(run['adaptive'], fx[6], 'acc', n)}",
+                  f"   cheapest fixed K as accurate, per tau: {beaten_by_fixed(run, 'flops_vs_max', 'acc', n)}"]
+    return "\n".join(lines)
+
+
+def seeds_summary(runs: list[dict], gaps: dict, n3: int, tau: float = 0.03) -> str:
+    """Three lines under the exit-gap figure: the per-program gaps, the rule's 3-hop edge over fixed K = 2 in
+    standard errors, and fixed K = 1's accuracy by hops, one number per seed."""
+    def edge(run):
+        p, q = at_tau(run["adaptive"], tau)["acc_by_hops"]["3"], run["fixed"][1]["acc_by_hops"]["3"]
+        return (p - q) / max(((p * (1 - p) + q * (1 - q)) / n3) ** 0.5, 1 / n3)
+
+    seeds = "/".join(str(r["seed"]) for r in runs)
+    return "\n".join([
+        f"seeds {seeds}, per program, exit iteration minus 1-hop's: 3-hop "
+        + " ".join(f"{gaps[r['seed']][3][0]:+.2f}" for r in runs) + ", 2-hop "
+        + " ".join(f"{gaps[r['seed']][2][0]:+.2f}" for r in runs)
+        + f" (s.e. at most {max(v[1] for r in runs for v in gaps[r['seed']].values()):.3f})",
+        f"3-hop accuracy, the rule at tau={tau:g} minus fixed K=2, in s.e.: " + " ".join(f"{edge(r):+.1f}" for r in runs),
+        "at fixed K=1: 2-hop accuracy " + " ".join(f"{r['fixed'][0]['acc_by_hops']['2']:.3f}" for r in runs)
+        + ", 3-hop " + " ".join(f"{r['fixed'][0]['acc_by_hops']['3']:.3f}" for r in runs) + " (chance 0.25)"])

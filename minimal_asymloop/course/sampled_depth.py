@@ -330,3 +330,20 @@ def fig_live(curves: dict, steps: int, title: str = "3-hop accuracy by test-time
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     return fig
+
+
+def lm_report(result: dict) -> str:
+    """The per-seed numbers behind notebook 04's section 6 figures, as text (its appendix): LM loss at K = 8 minus K = 3
+    and at the best K, the sampled runs below fixed K = 3 at some K, and each recipe's closest threshold to the frontier."""
+    ce = {r: [[a["ce"] for a in x["sweep"]["fixed"]] for x in rs] for r, rs in runs_of(result, "lm").items()}
+    lines = [f"LM {r:>12}: CE at K=8 minus K=3 " + ", ".join(f"{c[7] - c[2]:+.3f}" for c in v)
+             + "; best K's CE minus fixed_k3's best " + ", ".join(f"{min(c) - min(f):+.3f}" for c, f in zip(v, ce["fixed_k3"]))
+             for r, v in ce.items()]
+    lines += [f"{r} seed {s}: below fixed_k3 (same seed) at K=" + ",".join(str(k) for k, x in zip(d["k"], row) if x < 0)
+              for r, d in within_seed(result).items() for s, row in zip(d["seeds"], d["diff"]) if min(row) < 0]
+    lines += [f"{r:>12} closest threshold: " + "; ".join(f"seed {b['seed']} tau={b['tau']:g} FLOPs {b['flops_vs_k3']:.2f} x K=3 "
+                                                         f"{b['gap']:+.4f}" for b in rows)
+              for r, rows in vs_fixed_frontier(result).items()]
+    lines.append("peak training memory at the largest K (MiB): "
+                 + str({r: round(m["peak_bytes_at_largest_k"] / 2**20) for r, m in result["memory"].items()}))
+    return "\n".join(lines)
