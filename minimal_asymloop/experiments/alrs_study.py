@@ -88,7 +88,8 @@ def alrs_arm(arm: str, lr: float, seed: int, steps: int, dec_mult: float | None 
     records = alrs_records(history)
     final = records[-1]["multiplier"] if records else {}
     sizes = {n: w.numel() for n, w in alrs.tuned_matrices(model).items()}
-    row = dict(arm=arm, lr=lr, seed=seed, **({} if dec_mult is None else dict(dec_lr_mult=dec_mult)), val_loss=result["val_loss"], seconds=result["seconds"],
+    row = dict(arm=arm, lr=lr, seed=seed, **({} if dec_mult is None else dict(dec_lr_mult=dec_mult)),
+               val_loss=result["val_loss"], seconds=result["seconds"],
                train_loss=[(r["step"], r["loss"]) for r in history if "loss" in r and r["step"] % 5 == 0],
                **describe_budget(cfg, train_cfg), **alrs.stable_rank_summary(model))
     if final:
