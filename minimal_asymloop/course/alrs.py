@@ -289,7 +289,7 @@ def plot_controls(res: dict) -> Figure:
            title=controls_title(res))
     handles, names = ax.get_legend_handles_labels()
     keep = {n: h for h, n in zip(handles, names)}  # one entry per label
-    ax.legend(keep.values(), keep.keys(), fontsize=9, loc="upper right")
+    ax.legend(keep.values(), keep.keys(), fontsize=9, loc="upper left")  # the first arms' bars stay low
     fig.tight_layout()
     return fig
 
