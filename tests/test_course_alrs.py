@@ -85,7 +85,7 @@ def test_pipeline_figure_and_live_hooks():
         alrs_hi, alrs_lo, alrs_fit, alrs_every, alrs_phase, alrs_ramp = 5.0, 1.0, "ww", 10, 0.2, 5
 
     schedule = {"alrs_every": 10, "alrs_ramp": 5, "alrs_phase": 0.2}
-    assert C.live_hook("uniform", Cfg, schedule, 250) is None
+    assert C.live_hook("uniform", Cfg, schedule, 250) is None and C.live_hook("decoder_boost", Cfg, schedule, 250) is None
     assert isinstance(C.live_hook("uniform_top", Cfg, schedule, 250), ex.PinnedTop)
     assert isinstance(C.live_hook("alrs_unpinned", Cfg, schedule, 250), alrs.ALRS)
     with pytest.raises(ValueError, match="unknown arm 'adam'"):
@@ -141,3 +141,30 @@ def test_build_references_match_the_package_and_wrong_versions_fail():
     C.wrong_fails(check, lambda x: x, "identity")  # a failing wrong version passes quietly
     with pytest.raises(AssertionError, match="let a wrong version pass"):
         C.wrong_fails(check, lambda x: x + 1, "right")
+
+
+def test_tail_plot_draws_the_fit_from_xmin_with_slope_one_minus_alpha():
+    torch.manual_seed(0)
+    W = torch.randn(384, 128) / 384 ** 0.5
+    W += sum(torch.randn(384, 1) @ torch.randn(1, 128) * s / 30 for s in (3, 2, 1))
+    e = alrs.eigenvalues(W, torch.float64)
+    alpha, n_tail, xmin = C.tail_fit(e, with_xmin=True)
+    assert C.tail_fit(e) == (alpha, n_tail)
+    ax = C.plot_tail({"signal": e}).axes[0]
+    x, y = ax.lines[1].get_data()  # the fitted power law
+    assert abs(x[0] - xmin) < 1e-12 and abs(y[0] - n_tail / len(e)) < 1e-12
+    assert abs(np.log(y[-1] / y[0]) / np.log(x[-1] / x[0]) - (1 - alpha)) < 1e-9
+    assert ax.lines[2].get_xdata()[0] == xmin  # the xmin marker
+
+
+def test_alpha_noise_figure_and_control_summary():
+    rng = np.random.default_rng(0)
+    scatter = {"64×64": (rng.normal(4, 2, 50), np.full(50, 0.8))}
+    fig = C.plot_alpha_noise(scatter, {"init": (5.9, 13, 1.35), "ALRS": (6.2, 7, 2.0)}, "m")
+    sd = scatter["64×64"][0].std(ddof=1)
+    assert fig._suptitle is not None and f"(sd {sd:.1f})" in fig.axes[0].get_xticklabels()[0].get_text()
+    lines = C.control_summary(RES).splitlines()
+    arms = C.control_arms(RES)
+    assert len(lines) == len(arms) and ("decoder_boost_mult" in RES) == any("Table 4b" in label for label in arms)
+    d = C.within_seed(RES, *arms[C.ARM_LABELS["alrs"]])
+    assert f"{d.mean():+.3f}" in lines[0] and f"lower in {(d < 0).sum()}/{len(d)}" in lines[0]

@@ -43,12 +43,13 @@ def test_alrs_study_setting_fits_two_tokens_per_param_and_tunes_every_matrix():
 def test_alrs_queue_order_edge_extension_and_controls(monkeypatch, tmp_path):
     """With a fake trainer: seed 0 sweeps both grids (one LR beyond a winning edge), the other seeds follow at the
     first seed's best, then the scaled-uniform control at base x mean multiplier, unpinned, the rest of the sweep, hill,
-    and uniform LR with only embedding/head pinned at the top."""
-    order = []
+    uniform LR with only embedding/head pinned at the top, and the decoder boost at ALRS's mean multiplier."""
+    order, mults = [], []
     monkeypatch.setattr(common, "RESULTS", tmp_path)  # no committed results to reuse
 
-    def fake_arm(arm, lr, seed, steps):
+    def fake_arm(arm, lr, seed, steps, dec_mult=None):
         order.append((arm, lr, seed))
+        mults.append(dec_mult)
         loss = 4.0 - lr if arm == "uniform" else 4.0 + abs(lr - 2.5e-3)  # uniform: higher is better; ALRS: 2.5e-3
         return dict(arm=arm, lr=lr, seed=seed, val_loss=loss + 0.01 * seed, mean_multiplier=3.0)
 
@@ -64,9 +65,11 @@ def test_alrs_queue_order_edge_extension_and_controls(monkeypatch, tmp_path):
     assert res["scaled_uniform_lr"] == 7.5e-3 and order[11:14] == [("uniform", 7.5e-3, s) for s in (0, 1, 2)]
     assert order[14:17] == [("alrs_unpinned", 2.5e-3, s) for s in (0, 1, 2)]
     assert order[17:19] == [("uniform", 1e-2, 1), ("uniform", 1e-2, 2)]  # the rest of the sweep, nearest each best first
-    assert order[-6:-3] == [("alrs_hill", 2.5e-3, s) for s in (0, 1, 2)]
-    assert order[-3:] == [("uniform_top", 2e-2, s) for s in (0, 1, 2)]  # at uniform's best LR
-    assert len(order) == len(set(order)) == 3 * (4 + 3) + 4 * 3  # every (arm, lr, seed) once
+    assert order[-9:-6] == [("alrs_hill", 2.5e-3, s) for s in (0, 1, 2)]
+    assert order[-6:-3] == [("uniform_top", 2e-2, s) for s in (0, 1, 2)]  # at uniform's best LR
+    assert order[-3:] == [("decoder_boost", 2e-2, s) for s in (0, 1, 2)] and mults[-3:] == [3.0] * 3  # x ALRS's mean
+    assert res["decoder_boost_mult"] == 3.0 and set(mults[:-3]) == {None}
+    assert len(order) == len(set(order)) == 3 * (4 + 3) + 5 * 3  # every (arm, lr, seed) once
     assert res["best_lr"] == {"uniform": 2e-2, "alrs": 2.5e-3} and res["partial"] is False
     # the scaled-uniform control (7.5e-3) is not a sweep LR, so it never becomes uniform's best
     assert ex.best_lr([*res["runs"], *[dict(arm="uniform", lr=7.5e-3, seed=s, val_loss=0.0) for s in (0, 1, 2)]], "uniform", (0, 1, 2),
@@ -79,7 +82,7 @@ def test_alrs_study_reuses_the_committed_runs_of_its_setting(monkeypatch, tmp_pa
     or --fresh trains everything."""
     calls = []
 
-    def fake_arm(arm, lr, seed, steps):
+    def fake_arm(arm, lr, seed, steps, dec_mult=None):
         calls.append((arm, lr, seed))
         return dict(arm=arm, lr=lr, seed=seed, val_loss=4.0 + abs(lr - 2.5e-3), mean_multiplier=3.0)
 
@@ -105,7 +108,7 @@ def test_alrs_study_reuses_the_committed_runs_of_its_setting(monkeypatch, tmp_pa
     calls.clear()
     monkeypatch.setattr(common, "SEEDS", (0, 1, 2, 3))  # one more seed: the committed seeds are reused, the spectra too
     ex.alrs_experiment()
-    assert calls and all(c[2] == 3 or c[0] == "uniform_top" for c in calls)
+    assert calls and all(c[2] == 3 or c[0] in ("uniform_top", "decoder_boost") for c in calls)
     monkeypatch.setattr(common, "SEEDS", (0, 1, 2))
     calls.clear()
     monkeypatch.setattr(alrs_study, "ALRS_STEPS", 100)  # another setting (fewer steps) reuses nothing

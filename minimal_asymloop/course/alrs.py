@@ -4,13 +4,13 @@ notebooks/results/alrs.json (`python -m minimal_asymloop.experiments alrs`), so 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 ARM_LABELS = {"uniform": "uniform LR", "alrs": "ALRS", "alrs_unpinned": "ALRS, embedding/head not pinned",
               "alrs_hill": "ALRS, hill_median fit", "uniform_top": "uniform, embedding/head at 5× only",
-              "scaled": "uniform × ALRS's mean multiplier"}
+              "scaled": "uniform × ALRS's mean multiplier", "decoder_boost": "decoder LR boost (Table 4b)"}
 SRANK_GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN")
 PINNED = ("alrs", "alrs_hill", "uniform_top")  # the arms whose embedding and head run at the top multiplier
-
 
 
 def live_hook(arm: str, cfg_t, schedule: dict, total_steps: int):
@@ -24,9 +24,32 @@ def live_hook(arm: str, cfg_t, schedule: dict, total_steps: int):
     if arm == "alrs_unpinned":
         return alrs.ALRS(total_steps, cfg_t.alrs_fit, cfg_t.alrs_lo, cfg_t.alrs_hi, cfg_t.alrs_every, cfg_t.alrs_phase,
                          cfg_t.alrs_ramp, top=())
-    if arm in ("uniform", "alrs", "alrs_hill"):
+    if arm in ("uniform", "alrs", "alrs_hill", "decoder_boost"):
         return None
-    raise ValueError(f"unknown arm {arm!r}; choose from uniform, alrs, alrs_hill, alrs_unpinned, uniform_top")
+    raise ValueError(f"unknown arm {arm!r}; choose from uniform, alrs, alrs_hill, alrs_unpinned, uniform_top, decoder_boost")
+
+
+def live_run(arm: str, res: dict, lr: float, steps: int, device: str = "cpu") -> list[dict]:
+    """The first `steps` steps of the study's run of `arm` at base LR `lr`, seed 0, on 1 thread (as the study ran):
+    its logged history. The checkpoint lands in out/nb05_live_<arm>."""
+    from minimal_asymloop import experiments as ex
+    from minimal_asymloop.model import ModelConfig
+    from minimal_asymloop.paths import OUT
+    from minimal_asymloop.trainer import TrainConfig, train
+
+    S = res["setting"]
+    extra = dict(alrs=arm not in ("uniform", "decoder_boost"), **S["schedule"], alrs_fit="hill_median" if arm == "alrs_hill" else "ww")
+    if arm == "decoder_boost":  # the trainer builds alrs.DecoderLRBoost from dec_lr_mult
+        extra["dec_lr_mult"] = res["decoder_boost_mult"]
+    cfg_t = TrainConfig(**{**ex.ALRS_TRAIN, **extra, "lr": lr, "max_steps": S["steps"], "eval_interval": S["steps"], "device": device,
+                           "seed": S["seeds"][0], "stop_step": steps, "out_dir": str(OUT / f"nb05_live_{arm}")})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # float sums depend on the thread count
+    try:
+        return train(ModelConfig(arch="asymloop", n_iter=3, **ex.ALRS_LM), cfg_t,
+                     lr_hook=live_hook(arm, cfg_t, S["schedule"], S["steps"]))["history"]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def pipeline_figure() -> Figure:
@@ -67,13 +90,25 @@ def best_lr(res: dict, arm: str) -> float:
 
 
 def control_arms(res: dict) -> dict[str, tuple[str, float]]:
-    """{label: (arm, base LR)}: ALRS at its best and the four controls, each run at the LR the study gave it."""
+    """{label: (arm, base LR)}: ALRS at its best and the controls, each run at the LR the study gave it."""
     first = res["best_lr_first_seed"]
-    return {ARM_LABELS["alrs"]: ("alrs", best_lr(res, "alrs")),
+    arms = {ARM_LABELS["alrs"]: ("alrs", best_lr(res, "alrs")),
             ARM_LABELS["scaled"]: ("uniform", res["scaled_uniform_lr"]),
             ARM_LABELS["alrs_unpinned"]: ("alrs_unpinned", first["alrs"]),
             ARM_LABELS["alrs_hill"]: ("alrs_hill", first["alrs"]),
             ARM_LABELS["uniform_top"]: ("uniform_top", first["uniform"])}
+    if "decoder_boost_mult" in res:
+        arms[ARM_LABELS["decoder_boost"] + f", decoder ×{res['decoder_boost_mult']:g}"] = ("decoder_boost", first["uniform"])
+    return arms
+
+
+def control_summary(res: dict) -> str:
+    """One line per arm: its mean within-seed difference from uniform LR at its best, and in how many seeds it is lower."""
+    lines = []
+    for label, (arm, lr) in control_arms(res).items():
+        d = within_seed(res, arm, lr)
+        lines.append(f"{label:>44}: {d.mean():+.3f} ± {d.std(ddof=1):.3f} nats, lower in {(d < 0).sum()}/{len(d)} seeds")
+    return "\n".join(lines)
 
 
 def within_seed(res: dict, arm: str, lr: float, key: str = "val_loss") -> np.ndarray:
@@ -89,13 +124,60 @@ def mp_edges(eigenvalues, shape: tuple[int, int]) -> tuple[float, float]:
     return sigma2 * (np.sqrt(n) - np.sqrt(m)) ** 2, sigma2 * (np.sqrt(n) + np.sqrt(m)) ** 2
 
 
-def tail_fit(eigenvalues) -> tuple[float, int]:
-    """WeightWatcher's power-law fit (as alrs.ww_fit_alpha) and the number of eigenvalues it fitted (those >= xmin)."""
+def tail_fit(eigenvalues, with_xmin: bool = False) -> tuple:
+    """WeightWatcher's power-law fit (as alrs.ww_fit_alpha) and the number of eigenvalues it fitted (those >= xmin);
+    with_xmin: xmin too."""
     from minimal_asymloop import alrs
 
     e = np.sort(np.asarray(eigenvalues, dtype=np.float64))
     alpha, _, xmin, *_ = alrs.weightwatcher_module().WeightWatcher().fit_powerlaw(e, plot=False, savefig=False)
-    return float(alpha), int((e >= xmin).sum())
+    return (float(alpha), int((e >= xmin).sum())) + ((float(xmin),) if with_xmin else ())
+
+
+def plot_tail(spectra: dict) -> Figure:
+    """Each eigenvalue vector's tail on log-log axes: the fraction of eigenvalues >= λ (dots), WeightWatcher's xmin,
+    and its fitted power law p(λ) ∝ λ^−alpha, which this plot shows as a line of slope −(alpha − 1) from xmin up."""
+    fig = Figure(figsize=(4 * len(spectra), 3.8))
+    axes = fig.subplots(1, len(spectra), squeeze=False)[0]
+    for ax, (label, ev) in zip(axes, spectra.items()):
+        e = np.sort(np.asarray(ev, dtype=np.float64))
+        e = e[e > 1e-5]  # (numerical) zeros dropped, as the package does
+        alpha, n_tail, xmin = tail_fit(e, with_xmin=True)
+        ccdf = 1 - np.arange(len(e)) / len(e)  # fraction of eigenvalues >= e[i]
+        ax.loglog(e, ccdf, ".", color="0.5", ms=4, label="eigenvalues")
+        x = np.geomspace(xmin, e.max(), 50)
+        ax.loglog(x, n_tail / len(e) * (x / xmin) ** (1 - alpha), "C3-", lw=2, label=f"power law, alpha {alpha:.1f}")
+        ax.axvline(xmin, color="C0", ls=":", label=f"xmin: {n_tail} of {len(e)} fitted")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # decade labels only: minor ones overlap
+        ax.set(title=label, xlabel="eigenvalue λ of WᵀW")
+        ax.legend(fontsize=8, loc="lower left")
+    axes[0].set_ylabel("fraction of eigenvalues ≥ λ")
+    fig.suptitle("On log-log axes the fitted tail is a line of slope 1 − alpha: a few strong directions flatten it (smaller alpha)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_alpha_noise(scatter: dict, fits: dict, name: str) -> Figure:
+    """Left: alphas of many Gaussian matrices per shape (dots), with the formula's median standard error beside the
+    real spread; right: one trained matrix's alpha at init and after each arm, ± its standard error."""
+    fig = Figure(figsize=(11, 3.8))
+    ax, ax1 = fig.subplots(1, 2)
+    rng = np.random.default_rng(0)
+    for i, (a, se) in enumerate(scatter.values()):
+        ax.plot(i + rng.uniform(-0.15, 0.15, len(a)), a, ".", color=f"C{i}", alpha=0.4, ms=4)
+        ax.errorbar(i + 0.3, np.median(a), yerr=np.median(se), fmt="ks", capsize=5,
+                    label="median ± the formula's s.e." if i == 0 else None)
+    ax.set_xticks(range(len(scatter)), [f"Gaussian {s}\n(sd {a.std(ddof=1):.1f})" for s, (a, _) in scatter.items()])
+    ax.set(ylabel="alpha (WeightWatcher)", title="random matrices: alpha scatters\nfar beyond its formula s.e.")
+    ax.legend(fontsize=8)
+    for i, (a, n_tail, se) in enumerate(fits.values()):
+        ax1.errorbar(i, a, yerr=se, fmt="o", color=f"C{i + 2}", capsize=5)
+        ax1.annotate(f"{a:.2f} ({n_tail} pts)", (i + 0.08, a), fontsize=8)
+    ax1.set_xticks(range(len(fits)), list(fits), fontsize=9)
+    ax1.set(xlim=(-0.5, len(fits) - 0.3), ylabel="alpha ± s.e.", title=f"{name}:\nthe three fits overlap")
+    fig.suptitle("One alpha fit is noisy: it cannot rank one matrix's init, uniform-LR and ALRS states")
+    fig.tight_layout()
+    return fig
 
 
 def random_beyond_edge(shape: tuple[int, int], draws: int = 2000, seed: int = 0) -> np.ndarray:
@@ -174,8 +256,9 @@ def controls_title(res: dict) -> str:
             len(d := within_seed(res, arm, lr)) == n and (d < 0).all()}
     scaled = len(d := within_seed(res, "uniform", res["scaled_uniform_lr"])) == n and (d < 0).all()
     if wins == set(PINNED) and not scaled:
+        boost = " or decoder" if "decoder_boost_mult" in res else ""
         return ("The three arms that pin embedding and head at 5× beat uniform LR in every seed;\n"
-                "the uniformly higher LR and unpinned ALRS do not")
+                f"unpinned ALRS and the arms that only raise the LR (uniform{boost}) do not")
     names = [label for label, (arm, lr) in control_arms(res).items() if arm in wins or (arm == "uniform" and scaled)]
     return "Better than uniform LR at its best in every seed:\n" + (", ".join(names) or "none of the arms")
 
@@ -206,7 +289,7 @@ def plot_controls(res: dict) -> Figure:
            title=controls_title(res))
     handles, names = ax.get_legend_handles_labels()
     keep = {n: h for h, n in zip(handles, names)}  # one entry per label
-    ax.legend(keep.values(), keep.keys(), fontsize=9, loc="upper right")
+    ax.legend(keep.values(), keep.keys(), fontsize=9, loc="upper left")  # the first arms' bars stay low
     fig.tight_layout()
     return fig
 

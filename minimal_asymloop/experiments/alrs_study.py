@@ -1,6 +1,6 @@
 """The ALRS study of notebook 05, fairly: a base-LR sweep for uniform LR and for ALRS, then controls at the best LRs
-(the uniform LR scaled by ALRS's mean multiplier, embedding/head unpinned, the hill_median fit, and uniform LR with
-only embedding and head at ALRS's top multiplier), at >= 3 seeds each.
+(the uniform LR scaled by ALRS's mean multiplier, embedding/head unpinned, the hill_median fit, uniform LR with
+only embedding and head at ALRS's top multiplier, and the paper's Table 4b decoder LR boost), at >= 3 seeds each.
 """
 
 import time
@@ -62,16 +62,19 @@ class PinnedTop:
         pass
 
 
-def alrs_arm(arm: str, lr: float, seed: int, steps: int) -> dict:
+def alrs_arm(arm: str, lr: float, seed: int, steps: int, dec_mult: float | None = None) -> dict:
     """One run of the ALRS study: arm is uniform, alrs (ww fit), alrs_hill (hill_median fit), alrs_unpinned
-    (embedding and head allocated like every other matrix) or uniform_top (uniform LR with embedding and head at the
-    top multiplier). Cached in out/experiments/ by arm, LR and seed."""
+    (embedding and head allocated like every other matrix), uniform_top (uniform LR with embedding and head at the
+    top multiplier) or decoder_boost (every decoder matrix at dec_mult x the base LR, the rest at 1x: Table 4b's
+    baseline). Cached in out/experiments/ by arm, LR and seed."""
     from minimal_asymloop import alrs
 
     cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
-    on = arm != "uniform"
+    on = arm not in ("uniform", "decoder_boost")
     extra = dict(alrs=on, **ALRS_SCHEDULE, alrs_fit="hill_median" if arm == "alrs_hill" else "ww") if on else dict(alrs=False)
-    out_dir = RUNS / f"alrs_study-{arm}-lr{lr:.3g}-s{seed}"
+    if arm == "decoder_boost":  # the trainer builds alrs.DecoderLRBoost from dec_lr_mult
+        extra["dec_lr_mult"] = dec_mult
+    out_dir = RUNS / f"alrs_study-{arm}{'' if dec_mult is None else f'{dec_mult:.3g}'}-lr{lr:.3g}-s{seed}"
     train_cfg = TrainConfig(**{**ALRS_TRAIN, **extra, "lr": lr, "max_steps": steps, "eval_interval": steps, "seed": seed,
                                "out_dir": str(out_dir)})
     hook = None
@@ -85,7 +88,8 @@ def alrs_arm(arm: str, lr: float, seed: int, steps: int) -> dict:
     records = alrs_records(history)
     final = records[-1]["multiplier"] if records else {}
     sizes = {n: w.numel() for n, w in alrs.tuned_matrices(model).items()}
-    row = dict(arm=arm, lr=lr, seed=seed, val_loss=result["val_loss"], seconds=result["seconds"],
+    row = dict(arm=arm, lr=lr, seed=seed, **({} if dec_mult is None else dict(dec_lr_mult=dec_mult)),
+               val_loss=result["val_loss"], seconds=result["seconds"],
                train_loss=[(r["step"], r["loss"]) for r in history if "loss" in r and r["step"] % 5 == 0],
                **describe_budget(cfg, train_cfg), **alrs.stable_rank_summary(model))
     if final:
@@ -126,9 +130,9 @@ def alrs_experiment(quick=False):
         return dict(setting=setting_of(steps, seeds, lrs), best_lr=best, **state, runs=runs, partial=partial,
                     seconds=time.time() - t_start)
 
-    def run(arm, lr, seed):
+    def run(arm, lr, seed, **kw):
         if not any((r["arm"], r["lr"], r["seed"]) == (arm, lr, seed) for r in runs):
-            runs.append(alrs_arm(arm, lr, seed, steps))
+            runs.append(alrs_arm(arm, lr, seed, steps, **kw))
             if not quick:  # a partial result after every run, so finished groups can be used before the rest is done
                 write_json(RESULTS / "alrs.json", result(partial=True))
 
@@ -166,6 +170,11 @@ def alrs_experiment(quick=False):
         run("alrs_hill", best0["alrs"], seed)
     for seed in seeds:  # is the gain ALRS's spectra, or only its pinned embedding/head LR?
         run("uniform_top", best0["uniform"], seed)
+    # (ours) Table 4b's fixed decoder LR boost; the paper gives no multiplier, so the decoder gets ALRS's mean multiplier
+    # (the scaled-uniform control's factor), the encoder, embedding and head 1x: the decoder's LR rise without the spectra
+    state["decoder_boost_mult"] = float(f"{mean_mult:.3g}")
+    for seed in seeds:
+        run("decoder_boost", best0["uniform"], seed, dec_mult=state["decoder_boost_mult"])
     return result()
 
 
