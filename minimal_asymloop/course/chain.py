@@ -286,7 +286,7 @@ def plot_live(live: dict, title: str, plateau: dict | None = None, rule: dict | 
             ax.plot(*zip(*[(s, a[h]) for s, a in curve]), "-o", ms=4, color=f"C{j}", label=label)
     for ax, h in zip(axes, (2, 3)):
         if plateau:
-            ax.axhline(plateau[h], color="0.4", ls="--", lw=1, label="plateau (Dense L = 1, section 3)")
+            ax.axhline(plateau[h], color="0.4", ls="--", lw=1, label="plateau (Dense L = 1, section 2)")
         if rule:
             ax.axhline(rule[h], color="k", ls=":", lw=1.2, label="no-chain rule (notebook 00)")
         ax.set(title=f"{h}-hop statements", xlabel="training step", ylim=(0, 1.05))
