@@ -5,6 +5,7 @@ import json
 
 import matplotlib.pyplot as plt
 import pytest
+import torch
 
 from minimal_asymloop.course import chain, chain_build
 from minimal_asymloop.paths import RESULTS
@@ -216,3 +217,44 @@ def test_both_halves_claim_is_a_multiple_of_the_uniform_share(ctx):
 
 def test_k1_without_global_kv_is_dense_l2_on_the_task(ctx):
     assert chain_build.k1_without_global_is_dense(ctx.task, seeds=(0,)) == 0
+
+
+def test_resolver_check_fails_the_in_place_round_and_passes_the_reference():
+    from minimal_asymloop.course import build
+    check = chain_build.resolver_check(_resolve_with, chain.ChainRuns("chain_task").task, "a=3;x=1;b=a;c=b;")
+
+    def in_place(stmts, known):  # reads what this round already wrote: one pass follows a whole chain
+        new = chain_build.bind(stmts, known)
+        for lhs, rhs in stmts:
+            if rhs in new:
+                new[lhs] = new[rhs]
+        return new
+
+    assert not build.passes(check, in_place) and not build.passes(check, chain_build.bind)
+    assert build.passes(check, chain_build.one_round)
+
+
+def test_shares_check_takes_the_halves_apart(ctx):
+    from minimal_asymloop.course import build
+    from minimal_asymloop.model import LoopedLM
+    model = LoopedLM(chain.ex.chain_models(ctx.task)["asymloop_k3"]).eval()  # untrained: both halves carry mass
+    check = chain_build.shares_check(model, ctx.task, n=2)
+    interleaved = lambda a: a.unflatten(-1, (-1, 2)).transpose(-1, -2).unflatten(-1, (-1, 4)).sum(-1)  # noqa: E731
+    global_only = lambda a: chain_build.statement_shares(a) * torch.tensor([1.0, 0.0])[:, None]  # noqa: E731
+    assert build.passes(check, chain_build.statement_shares)
+    assert not build.passes(check, interleaved) and not build.passes(check, global_only)
+
+
+def test_fresh_k_figure_titles_the_range_and_draws_the_plateau():
+    fresh = {("asymloop_k3", 0, 1): {1: 1.0, 2: 0.98, 3: 0.24}, ("asymloop_k3", 0, 2): {1: 1.0, 2: 1.0, 3: 0.97},
+             ("asymloop_k3_no_local", 1, 1): {1: 1.0, 2: 1.0, 3: 0.38}, ("asymloop_k3_no_local", 1, 2): {1: 1.0, 2: 1.0, 3: 0.99}}
+    fig = chain.plot_fresh_k(fresh, {2: 0.63, 3: 0.51})
+    assert "0.24-0.38" in fig._suptitle.get_text() and not plt.get_fignums()
+    assert (0.51, 0.51) in [tuple(line.get_ydata()) for line in fig.axes[1].get_lines()]
+
+
+def test_depth_figures_draw_the_plateau():
+    grid = chain.ChainRuns("chain_task")
+    fig = chain.plot_depth(grid, ["dense_l1", "asymloop_k2"], plateau={2: 0.63, 3: 0.51})
+    assert (0.51, 0.51) in [tuple(line.get_ydata()) for line in fig.axes[1].get_lines()]
+    assert "plateau (0.63)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]

@@ -79,6 +79,12 @@ class ChainRuns:
                   f"{len(self.seeds)} {st:>{w}}   {per}")
 
 
+def _plateau(ax, level, label=True):
+    """The guessing level (Dense L = 1's mean, section 1) dashed and chance (1/4: four digits) dotted."""
+    ax.axhline(level, color="0.4", ls="--", lw=1, label=f"plateau ({level:.2f})" if label else None)
+    ax.axhline(0.25, color="0.7", ls=":", lw=1, label="chance (0.25)" if label else None)
+
+
 def _seed_dots(ax, x, acc, ok, color, marker, label=None, spread=0.045):
     xs = x + spread * (np.arange(len(acc)) - (len(acc) - 1) / 2)
     ax.scatter(xs[ok], acc[ok], marker=marker, s=40, color=color, label=label)
@@ -94,9 +100,9 @@ def _steps_panel(ax, x, st, n_failed, max_steps, color, marker, spread=0.06):
         ax.text(x, max_steps * 1.12, f"{n_failed}", ha="center", fontsize=9, color=color)
 
 
-def plot_depth(grid: ChainRuns, names) -> Figure:
-    """Accuracy on 2- and 3-hop statements against effective depth (one dot per seed, hollow: not converged) and
-    the steps to converge of the solved seeds, with the number of failed seeds on top."""
+def plot_depth(grid: ChainRuns, names, plateau: dict | None = None) -> Figure:
+    """Accuracy on 2- and 3-hop statements against effective depth (one dot per seed, hollow: not converged; plateau:
+    {hops: accuracy}, dashed) and the steps to converge of the solved seeds, with the number of failed seeds on top."""
     fig = Figure(figsize=(11, 4.4))
     axes = fig.subplots(1, 3)
     max_steps = grid.setting["max_steps"]
@@ -109,6 +115,8 @@ def plot_depth(grid: ChainRuns, names) -> Figure:
     bar = grid.setting["converged"]
     for ax, h in zip(axes[:2], grid.hops[1:]):
         ax.axhline(bar, color="0.5", ls=":", lw=1, label=f"converged: every hop count >= {bar}" if h == 2 else None)
+        if plateau:
+            _plateau(ax, plateau[h], label=h == 2)
         ax.set(title=f"{h}-hop statements", xlabel="effective depth (blocks per token)",
                ylabel="accuracy, check programs", ylim=(0, 1.05))
     axes[0].legend(fontsize=8, loc="lower right")
@@ -143,8 +151,9 @@ def by_test_k(grid: ChainRuns, names, hop=3):
     return out
 
 
-def plot_test_depth(grid: ChainRuns, names) -> Figure:
-    """3-hop accuracy of each AsymLoop run at test-time K, solved and failed runs apart, one colour per trained K."""
+def plot_test_depth(grid: ChainRuns, names, plateau: dict | None = None) -> Figure:
+    """3-hop accuracy of each AsymLoop run at test-time K, solved and failed runs apart, one colour per trained K;
+    plateau: {hops: accuracy}, dashed."""
     fig = Figure(figsize=(11, 4))
     axes = fig.subplots(1, 2, sharey=True)
     curves = by_test_k(grid, names)
@@ -157,6 +166,9 @@ def plot_test_depth(grid: ChainRuns, names) -> Figure:
             ax.plot(r["n_iter"], a[r["n_iter"] - 1], "*", ms=12, color=color)
     handles = [axes[0].plot([], [], "-o", color=plt_color(j, len(names)), label=f"trained K={grid.run(n, grid.seeds[0])['n_iter']}")[0]
                for j, n in enumerate(names)]
+    for ax in axes if plateau else ():
+        _plateau(ax, plateau[3])
+    handles += axes[0].get_legend_handles_labels()[0][len(handles):]
     n_ok = sum(grid.solved(n).sum() for n in names)
     for ax, what, m in zip(axes, ("solved", "failed"), (n_ok, len(names) * len(grid.seeds) - n_ok)):
         ax.set(title=f"{what} runs ({m})", xlabel="iterations K at test time (★: the trained K)", ylim=(0, 1.05))
@@ -172,8 +184,9 @@ def plt_color(j, n):
     return ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")[j % 6]
 
 
-def plot_context(ctx: ChainRuns, names) -> Figure:
-    """Effective depth 4, the context-access variants beside Full Loop and Dense: one dot per seed, steps to converge."""
+def plot_context(ctx: ChainRuns, names, plateau: dict | None = None) -> Figure:
+    """Effective depth 4, the context-access variants beside Full Loop and Dense: one dot per seed (plateau: {hops:
+    accuracy}, dashed), steps to converge."""
     fig = Figure(figsize=(11, 4.6))
     axes = fig.subplots(1, 3)
     max_steps = ctx.setting["max_steps"]
@@ -184,12 +197,18 @@ def plot_context(ctx: ChainRuns, names) -> Figure:
         _steps_panel(axes[2], i, ctx.steps(n), len(ctx.seeds) - ctx.solved(n).sum(), max_steps, color, marker, 0.12)
     for ax, h in zip(axes[:2], ctx.hops[1:]):
         ax.set(title=f"{h}-hop statements", ylabel="accuracy, check programs", ylim=(0, 1.05))
+        if plateau:
+            _plateau(ax, plateau[h], label=h == 2)
+    if plateau:
+        axes[0].legend(fontsize=8, loc="lower left")
     axes[2].axhline(max_steps, color="0.6", ls=":", lw=1)
     axes[2].set(title="steps to converge (filled: solved seeds)\nhollow above the cap: failed, with their count",
                 ylabel="training steps", ylim=(0, max_steps * 1.2))
     for ax in axes:
         ax.set_xticks(range(len(names)), [LABELS[n] for n in names], fontsize=8, rotation=90)
-    fig.suptitle("Effective depth 4, 5 seeds each: additive injection never converges (filled: converged)")
+    c, n = {v: ctx.solved(v).sum() for v in names}, len(ctx.seeds)
+    fig.suptitle(f"Effective depth 4: Global KV converges in {c.get('asymloop_k3', 0)}/{n} seeds, additive injection "
+                 f"in {c.get('asymloop_k3_additive', 0)}/{n} (filled: converged)")
     fig.tight_layout()
     return fig
 
@@ -267,7 +286,7 @@ def plot_live(live: dict, title: str, plateau: dict | None = None, rule: dict | 
             ax.plot(*zip(*[(s, a[h]) for s, a in curve]), "-o", ms=4, color=f"C{j}", label=label)
     for ax, h in zip(axes, (2, 3)):
         if plateau:
-            ax.axhline(plateau[h], color="0.4", ls="--", lw=1, label="plateau (Dense L = 1, section 3)")
+            ax.axhline(plateau[h], color="0.4", ls="--", lw=1, label="plateau (Dense L = 1, section 2)")
         if rule:
             ax.axhline(rule[h], color="k", ls=":", lw=1.2, label="no-chain rule (notebook 00)")
         ax.set(title=f"{h}-hop statements", xlabel="training step", ylim=(0, 1.05))
@@ -375,6 +394,30 @@ def plot_lookups(look: dict, qhops) -> Figure:
     return fig
 
 
+def plot_fresh_k(fresh: dict, plateau: dict) -> Figure:
+    """The opened models {(name, seed, K): {hops: accuracy}} run at test-time K = 1 and 2: 2- and 3-hop accuracy,
+    one dot per model (blue: both halves, red: without Local KV); plateau: {hops: accuracy}, dashed."""
+    fig = Figure(figsize=(9, 3.6))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, h in zip(axes, (2, 3)):
+        for (n, s, k), a in fresh.items():
+            both = n == "asymloop_k3"
+            ax.scatter(k + (-0.12 if both else 0.12) + 0.03 * (s - 1), a[h], s=40, color="tab:blue" if both else "tab:red",
+                       marker="o" if both else "s", label="both halves" if both else "without Local KV")
+        _plateau(ax, plateau[h])
+        ax.set(title=f"{h}-hop statements", xticks=(1, 2), xlim=(0.5, 2.5), ylim=(0, 1.05),
+               xlabel="iterations K at test time (trained: K = 3)")
+    axes[0].set_ylabel("accuracy, 1,024 fresh programs")
+    handles = dict(zip(*axes[0].get_legend_handles_labels()[::-1]))
+    axes[1].legend(handles.values(), handles, fontsize=8, loc="center right")
+    k1 = [a[3] for (n, s, k), a in fresh.items() if k == 1]
+    fig.suptitle(f"Run at K = 1, every opened model keeps its 2-hop statements and gets {min(k1):.2f}-{max(k1):.2f} of "
+                 "the 3-hop ones;\nat K = 2 it gets them all back: two lookups take two iterations, with or without Local KV",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 AGAIN = 1.5  # with both halves, iteration 2's share on j=1 must be at least this many times the uniform share
 
 
@@ -388,37 +431,6 @@ def lookup_claims(lk: dict, qhops, local: bool) -> bool:
     if not local:
         return bool(s[0, 1] > 0.4 and s[0, 1] > 2 * s[0, 2] and s[1, 2] > 0.4 and s[1, 2] > 2 * s[1, 1])
     return bool(s[1, 1] > AGAIN * uniform_share(qhops) and s[1, 1] > 1.5 * s[1, 2] and b[1, 1, 1] > 2 * b[1, 1, 0])
-
-
-def _who(name):
-    return {"asymloop_k3": "both halves", "asymloop_k3_no_local": "without Local KV"}.get(name, name)
-
-
-def head_summary(look: dict, qhops, untrained: dict | None = None, h: int = 3):
-    """One line per model {(name, seed): lookups} (and per untrained one {name: lookups}), h-hop queries: at iteration
-    1 on j=1, iteration 2 on j=1 and on j=2, the top head's share, the mean over heads and that mean as a multiple of
-    the uniform share (both halves summed); at iteration 1 on j=1 also the heads over 0.5 and the mean per half.
-    head_table prints every head."""
-    u = uniform_share(qhops, h)
-    print(f"uniform attention over the visible keys: {u:.2f} per statement ({h}-hop queries); (1.6x): 1.6 times that")
-    rows = {**{(_who(n), f"seed {s}"): lk for (n, s), lk in look.items()},
-            **{(_who(n), "untrained"): lk for n, lk in (untrained or {}).items()}}
-    for (who, which), lk in rows.items():
-        hs, b = head_shares(lk, qhops, h), shares(lk, qhops, h)
-
-        def part(k, j, hs=hs):
-            return f"top {hs[k, :, j].max():.2f}, mean {hs[k, :, j].mean():.2f} ({hs[k, :, j].mean() / u:.1f}x)"
-
-        print(f"{who:>16}, {which:>9} | it. 1 on j=1: {part(0, 1)}, {(hs[0, :, 1] > 0.5).sum()} head(s) > 0.5, "
-              f"Global {b[0, 1, 0]:.2f} + Local {b[0, 1, 1]:.2f} | it. 2 on j=1: {part(1, 1)} | on j=2: {part(1, 2)}")
-
-
-def head_table(look: dict, qhops, h: int = 3):
-    """Every head's share (both halves summed, h-hop queries) on j=1 and j=2 at iterations 1 and 2, per model."""
-    for (name, seed), lk in look.items():
-        hs = head_shares(lk, qhops, h)
-        print(f"{_who(name):>16} seed {seed}: " + "   ".join(f"it. {k + 1}: heads on j=1 " + " ".join(
-            f"{x:.2f}" for x in hs[k, :, 1]) + ", on j=2 " + " ".join(f"{x:.2f}" for x in hs[k, :, 2]) for k in (0, 1)))
 
 
 def untrained_lookups(runs: ChainRuns, seed: int = 0, name: str = "asymloop_k3") -> dict:

@@ -15,7 +15,7 @@ from minimal_asymloop import experiments as ex
 from minimal_asymloop.course import chain
 from minimal_asymloop.course.tour import CHECK_SEED, frequency_rule
 from minimal_asymloop.model import LoopedLM
-from minimal_asymloop.probes import attention_maps, chain_back
+from minimal_asymloop.probes import attention_maps, chain_back, chain_lookups
 from minimal_asymloop.tasks import ChainTask, solve
 
 
@@ -124,13 +124,52 @@ def checked(resolve, step, text: str, rounds=(1, 2, 3)):
     return globals()[step.__name__]
 
 
+def resolver_check(resolve, task: ChainTask, text: str):
+    """A check of a round `step` (raises AssertionError on a wrong one): resolve(text, r, step) matches the package
+    after r = 1, 2, 3 rounds, and on 256 programs of the task 3 rounds resolve everything, 2 rounds no 3-hop statement."""
+    def check(step):
+        wrong = check_rounds(lambda t, r: resolve(t, r, step), text, label=step.__name__)
+        score = {r: score_resolver(task, lambda t, n: resolve(t, n, step), r) for r in (2, 3)}
+        print(f"{step.__name__}, 256 programs, share right by hops: " + "; ".join(
+            f"{r} rounds " + " ".join(f"{h}: {a:.2f}" for h, a in sc.items()) for r, sc in score.items()))
+        assert wrong == 0 and min(score[3].values()) == 1.0 and score[2][3] == 0.0, f"{step.__name__} is not one round"
+    return check
+
+
+def statement_shares(a: torch.Tensor) -> torch.Tensor:
+    """(..., N queries, 2N keys) joint attention, keys [Global 0..N-1 ; Local 0..N-1] -> (..., N, 2, S): each query's
+    share on each statement (its 4 tokens summed), per half."""
+    return a.unflatten(-1, (2, -1)).unflatten(-1, (-1, 4)).sum(-1)
+
+
+def shares_check(model, task: ChainTask, n: int = 4):
+    """A check of the reader's statement_shares(a) (raises AssertionError on a wrong one): on n check programs, every
+    iteration and head of `model`, each right-hand side's share on the statements j = 0..2 back along its chain, per
+    half, must equal the package probe's (probes.chain_lookups)."""
+    model = copy.deepcopy(model).cpu()
+    idx = task.batch(n, torch.Generator().manual_seed(CHECK_SEED))[0]
+    with torch.no_grad():
+        maps = attention_maps(model, idx)[:, 0]  # (K, B, H, N, 2N): decoder layer 0
+    want = chain_lookups(model, task, idx)["stmt"][:, 0]  # (K, H, B, S, J, 2)
+    back = chain_back(task, idx)  # (B, S, J)
+    b, s = torch.arange(n)[:, None, None], torch.arange(back.size(1))[None, :, None]
+
+    def check(f):
+        got = f(maps)[..., 2::4, :, :].transpose(1, 2)  # (K, H, B, S queries, 2, S statements)
+        got = got[:, :, b, s, :, back.clamp(min=0)] * (back >= 0)[..., None, None, None]  # (B, S, J, K, H, 2)
+        gap = (got.permute(3, 4, 0, 1, 2, 5) - want).abs().max().item()
+        print(f"{getattr(f, '__name__', 'yours')}: largest gap to the package's probe {gap:.1e}")
+        assert gap < 1e-5, f"{gap:.2f} off the package's shares"
+    return check
+
+
 def no_chain_rule(runs) -> dict[int, float]:
     """{hops: accuracy} of notebook 00's no-chain rule (a variable gets the digit assigned most often so far in its
     program) on the runs' check programs: the draw that their curves and stored accuracies are measured on."""
     return frequency_rule(runs.task, n=runs.setting["eval_programs"], seed=CHECK_SEED)
 
 
-def plot_program_attention(models: dict, task, seed: int = 3) -> Figure:
+def plot_program_attention(models: dict, task, seed: int = 3, shares=statement_shares) -> Figure:
     """One program (task.batch's draw from `seed`), one row per model {label: model}, one panel per decoder iteration:
     the share of each right-hand side's attention on every statement (its 4 tokens, both halves summed, mean over the
     heads of decoder layer 0). Markers: o the statement j = 1 hop back along the query's chain, x j = 2."""
@@ -143,7 +182,7 @@ def plot_program_attention(models: dict, task, seed: int = 3) -> Figure:
     for row, (label, model) in zip(axes, models.items()):
         with torch.no_grad():
             a = attention_maps(copy.deepcopy(model).cpu(), idx)[:, 0, 0].mean(1)  # (K, N, 2N), mean over heads
-        a = a.unflatten(-1, (2, -1)).sum(-2)[:, 2::4].unflatten(-1, (-1, 4)).sum(-1)  # (K, S queries, S statements)
+        a = shares(a).sum(-2)[:, 2::4]  # (K, S queries, S statements), both halves summed
         for k, ax in enumerate(row):
             im = ax.imshow(a[k].numpy(), vmin=0, vmax=1, cmap="Greys")
             for j, mark in ((1, "o"), (2, "x")):  # red with a white edge: visible on black and on white cells
