@@ -103,7 +103,7 @@ def plot_chain(runs: list[dict]) -> Figure:
         ax.plot([], [], m, color="0.4", ls="none", label=f"seed {run['seed']}")
     ax.axhline(2, ls=":", c="gray")
     ax.set(xscale="log", xlabel="exit threshold τ (KL, nats)", ylabel="mean exit iteration of the answers",
-           title="Harder answers stop later; every answer runs at least 2")
+           title="Answers with more hops stop later; every answer runs at least 2")
     ax.text(ax.get_xlim()[0] * 1.3, 2.03, "the rule's minimum (2)", color="0.4", fontsize=8)  # on the log axis
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3)

@@ -152,7 +152,7 @@ def plot_tail(spectra: dict) -> Figure:
         ax.set(title=label, xlabel="eigenvalue λ of WᵀW")
         ax.legend(fontsize=8, loc="lower left")
     axes[0].set_ylabel("fraction of eigenvalues ≥ λ")
-    fig.suptitle("On log-log axes the fitted tail is a line of slope 1 − alpha: a few strong directions flatten it (smaller alpha)")
+    fig.suptitle("On log-log axes the fitted tail is a line of slope 1 − alpha: a heavier tail is a flatter line (smaller alpha)")
     fig.tight_layout()
     return fig
 

@@ -146,7 +146,7 @@ def decoder_look_figure(shares: dict, acc: dict, chance: float):
     bx.set_xlabel("half masked, all layers and iterations (colour: the half left)")
     bx.set_ylim(0, 1.22)
     bx.set_ylabel("accuracy, new sequences")
-    bx.set_title("From either init, masking the Global half leaves chance", fontsize=FONT, pad=18)
+    bx.set_title("From either init, masking the Global half leaves near chance", fontsize=FONT, pad=18)
     return fig
 
 

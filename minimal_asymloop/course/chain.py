@@ -154,7 +154,7 @@ def by_test_k(grid: ChainRuns, names, hop=3):
 def plot_test_depth(grid: ChainRuns, names, plateau: dict | None = None) -> Figure:
     """3-hop accuracy of each AsymLoop run at test-time K, solved and failed runs apart, one colour per trained K;
     plateau: {hops: accuracy}, dashed."""
-    fig = Figure(figsize=(11, 4))
+    fig = Figure(figsize=(12.5, 4))
     axes = fig.subplots(1, 2, sharey=True)
     curves = by_test_k(grid, names)
     for j, n in enumerate(names):
@@ -174,7 +174,7 @@ def plot_test_depth(grid: ChainRuns, names, plateau: dict | None = None) -> Figu
         ax.set(title=f"{what} runs ({m})", xlabel="iterations K at test time (★: the trained K)", ylim=(0, 1.05))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylabel("3-hop accuracy, check programs")
-    axes[1].legend(handles=handles, fontsize=9, loc="lower right")
+    axes[1].legend(handles=handles, fontsize=9, loc="center left", bbox_to_anchor=(1.01, 0.5))  # off the lines
     fig.suptitle("Solved runs need more than one iteration; iterating past the trained K rescues no failed run")
     fig.tight_layout()
     return fig

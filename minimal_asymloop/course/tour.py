@@ -291,13 +291,14 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
         _dots(right, i, [a for a, _, _ in runs], [s if c else None for _, s, c in runs], labels[name][1])
     right.set_xticks(range(len(chain)), [labels[n][0] for n in chain])
     right.set_title("at most 6,000 steps: chain_task (left of the dashed line);\n"
-                    "chain_context, a later code version (right of the dashed line)", fontsize=9)
+                    "chain_context, a later package version (right of the dashed line)", fontsize=9)
     later = [i for i, n in enumerate(chain) if n == "K=3 again"]
     if later and len(later) < len(chain):
         right.axvline(min(later) - 0.5, color="0.5", ls="--", lw=1)
     for ax in (left, right):
         ax.set_xlim(-0.5, ax.get_xticks()[-1] + 0.5)
         ax.set_ylim(0, 1.05)
+        ax.set_xlabel("model (effective depth)")
     n3, n1 = (sum(s is not None for s in steps[k]) for k in (3, 1))
     won = {n: f"{sum(c for _, _, c in chain[n])}/{len(chain[n])}" for n in ("asymloop_k3", "asymloop_k1", "K=3 again")
            if n in chain}
