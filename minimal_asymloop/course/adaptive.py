@@ -371,7 +371,7 @@ def plot_chain_frontier(runs: list[dict], n: int) -> Figure:
         ax.grid(alpha=0.3)
     np.atleast_1d(axes)[0].set_ylabel(f"wrong answers (of {n:,}; symlog)")
     np.atleast_1d(axes)[-2].legend(fontsize=7, loc="upper right")
-    fig.suptitle("The rule is as accurate as K = 6 for fewer FLOPs, but a fixed K = 2 or 3 is too, for fewer still")
+    fig.suptitle("At most thresholds the rule is as accurate as K = 6 for fewer FLOPs, and a fixed K = 2 or 3 is too, for fewer still")
     fig.tight_layout()
     return fig
 

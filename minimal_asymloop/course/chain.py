@@ -387,7 +387,7 @@ def plot_lookups(look: dict, qhops) -> Figure:
     again = ", ".join(f"{shares(look[k], qhops, 3).sum(-1)[1, 1] / u:.1f}x" for k in keys if k[0] == "asymloop_k3")
     seeds = ", ".join(str(k[1]) for k in keys if k[0] == "asymloop_k3")
     fig.suptitle("3-hop queries: without Local KV, iteration 1 looks at j=1 and iteration 2 at j=2. With both halves, "
-                 f"iteration 2 looks at j=1\nagain, mostly via Local. Its two halves summed (not drawn): {again} the "
+                 f"iteration 2 keeps some\nattention on j=1, weakly in some seeds. Its two halves summed (not drawn): {again} the "
                  f"uniform {u:.2f} (seeds {seeds})",
                  fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))

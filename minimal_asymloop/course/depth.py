@@ -156,7 +156,7 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
         if p["Table 7"] is not None:
             ax.plot(i + 0.1, p["Table 7"], "s", color="k", mfc="w", ms=8, label="paper, Table 7 (uniform LR, QKNorm)")
         if p["Table 8"] is not None:
-            ax.plot(i + 0.1, p["Table 8"], "v", color="k", ms=8, label="paper, Table 8 (uniform LR)" if i == 1 else None)
+            ax.plot(i + 0.1, p["Table 8"], "v", color="k", ms=8, label="paper, Table 8 (uniform LR, no QKNorm)" if i == 1 else None)
         ax.plot(i + 0.1, p["Table 3"], "x", color="0.5", ms=8, mew=2,
                 label="paper, Table 3 (recipe not stated)" if i == 0 else None)
     ax.axhline(0, color="0.6", lw=0.8)
@@ -287,7 +287,7 @@ def plot_variants(runs: LMRuns, ks=(1, 3, 5)) -> Figure:
         ax.plot(ks, d.mean(1), "D-", color="tab:blue", ms=8, label=f"ours, mean ({runs.tpp:.1f} tokens/param)")
         paper = [(k, paper_variant(v, k)) for k in ks if paper_variant(v, k) is not None]
         ax.plot([k for k, _ in paper], [p[0] for _, p in paper], "ks--", ms=7,
-                label="paper (" + ", ".join(sorted({p[1] for _, p in paper})) + f"; {paper_tokens_per_param():.1f} tokens/param)")
+                label="paper (" + ", ".join(sorted({p[1] for _, p in paper})) + f"; 60M inferred, {paper_tokens_per_param():.1f} tokens/param)")
         ax.axhline(0, color="0.4", lw=1, label="AsymLoop with Global KV")
         behind = int((d > 0).sum())
         verdict[v] = int((d[1:] > 0).sum())  # K > 1: at K = 1 two variants are Dense
