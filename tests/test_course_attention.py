@@ -93,8 +93,7 @@ def test_the_decoder_look_figure_draws_each_mean_cell_and_accuracy():
     assert [round(p.get_height(), 4) for p in ax.patches] == [0.5, 0.6333, 0.4, 0.8]  # means: init, trained, per init
     assert sorted(ax.collections[1].get_offsets()[:, 1].tolist()) == sorted(shares["standard"][1].flatten().tolist())
     assert [p.get_height() for p in bx.patches] == [1.0, 0.03, 0.97, 0.9, 0.1, 1.0]
-    assert [t.get_text() for t in bx.get_xticklabels()] == ["nothing masked\n(both left)", "Global masked\n(Local left)",
-                                                          "Local masked\n(Global left)"] * 2
+    assert [t.get_text() for t in bx.get_xticklabels()] == ["nothing\n(both left)", "Global\n(Local left)", "Local\n(Global left)"] * 2
 
 
 def test_the_reference_build_equals_the_package_and_a_wrong_joint_mask_does_not():

@@ -371,7 +371,7 @@ def plot_chain_frontier(runs: list[dict], n: int) -> Figure:
         ax.grid(alpha=0.3)
     np.atleast_1d(axes)[0].set_ylabel(f"wrong answers (of {n:,}; symlog)")
     np.atleast_1d(axes)[-2].legend(fontsize=7, loc="upper right")
-    fig.suptitle("At most thresholds the rule is as accurate as K = 6 for fewer FLOPs, and a fixed K = 2 or 3 is too, for fewer still")
+    fig.suptitle("Most thresholds match K = 6 for fewer FLOPs; at all but one, a fixed K = 2 or 3 matches them for fewer still")
     fig.tight_layout()
     return fig
 

@@ -144,7 +144,7 @@ def decoder_look_figure(shares: dict, acc: dict, chance: float):
     bx.text(3, chance + 0.03, f"chance\n{chance:.2f}", ha="center", fontsize=FONT - 2.5)
     left = {"nothing": "both", "Global": "Local", "Local": "Global"}  # what a mask leaves, as the bar's colour says
     bx.set_xticks([4 * i + j for i in range(len(acc)) for j in range(len(names))],
-                  [f"{n} masked\n({left.get(n, '?')} left)" for n in names] * len(acc), fontsize=FONT - 3)
+                  [f"{n}\n({left.get(n, '?')} left)" for n in names] * len(acc), fontsize=FONT - 3)
     bx.set_xlabel("half masked in all layers and iterations (colour: the half left)")
     bx.set_ylim(0, 1.22)
     bx.set_ylabel("accuracy, new sequences")
