@@ -167,3 +167,34 @@ def test_package_plotting_leaves_the_backend_alone(tmp_path):
     finally:
         matplotlib.use(before)
     assert (tmp_path / "loss.png").stat().st_size > 10_000 and (tmp_path / "alrs.png").stat().st_size > 10_000
+
+
+# The course's size rules (issue #28): one idea per notebook, a 20-30 minute read: at most 35 cells and 30,000
+# characters of markdown and code source, and no code cell over 30 lines (plumbing belongs in minimal_asymloop.course).
+MAX_CELLS, MAX_SOURCE_CHARS, MAX_CODE_LINES = 35, 30_000, 30
+COURSE = [p for p in NOTEBOOKS if p.parent.name == "notebooks"]
+
+
+def course_size_problems(nb: dict) -> list[str]:
+    cells = nb["cells"]
+    chars = sum(len("".join(c["source"])) for c in cells if c["cell_type"] in ("markdown", "code"))
+    long_code = [i for i, c in enumerate(cells) if c["cell_type"] == "code" and len("".join(c["source"]).splitlines()) > MAX_CODE_LINES]
+    return ([f"{len(cells)} cells (at most {MAX_CELLS})"] * (len(cells) > MAX_CELLS)
+            + [f"{chars:,} characters of source (at most {MAX_SOURCE_CHARS:,})"] * (chars > MAX_SOURCE_CHARS)
+            + [f"code cell {i} has over {MAX_CODE_LINES} lines" for i in long_code])
+
+
+def test_the_size_rule_catches_each_kind_of_overrun():
+    md, code = {"cell_type": "markdown", "source": ["x" * 100]}, {"cell_type": "code", "source": ["y\n"] * 31}
+    assert course_size_problems({"cells": [md] * 35}) == []
+    assert course_size_problems({"cells": [md] * 36}) == ["36 cells (at most 35)"]
+    assert course_size_problems({"cells": [{"cell_type": "markdown", "source": ["x" * 30_001]}]}) == [
+        "30,001 characters of source (at most 30,000)"]
+    assert course_size_problems({"cells": [md, code]}) == ["code cell 1 has over 30 lines"]
+
+
+@pytest.mark.parametrize("path", COURSE, ids=lambda p: p.name)
+def test_each_course_notebook_keeps_the_size_rules(path):
+    assert len(COURSE) == 6
+    problems = course_size_problems(json.loads(path.read_text()))
+    assert not problems, f"{path.name}: " + "; ".join(problems) + ": cut prose or move plumbing into minimal_asymloop.course"
