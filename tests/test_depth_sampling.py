@@ -154,7 +154,10 @@ def test_sampled_k_is_logged_and_resume_is_exact(tiny_configs, tmp_path):
     assert ks == [ref.draw() for _ in range(8)]  # drawn from the run's seed
 
 
-# a 10-step tiny run (conftest's model and data, seed 0) before sampled depth existed: fixed K must not move a bit
+# a 10-step tiny run (conftest's model and data, seed 0) before sampled depth existed: fixed K must not move. Bit for
+# bit on the CPU that recorded them; another CPU's float rounding moves them by about 1e-6 (seen: 5e-7 on an AVX2
+# AMD EPYC), while any change to what fixed-K training draws or computes moves them by far more than TOL
+TOL = 1e-5
 BEFORE = {"asymloop": [6.262590408325195, 6.237105846405029, 6.192770004272461, 6.193567276000977, 6.137782573699951,
                        6.135359287261963, 6.033649921417236, 6.029570579528809, 6.031004905700684, 6.000643730163574,
                        6.030712366104126],
@@ -165,10 +168,11 @@ BEFORE = {"asymloop": [6.262590408325195, 6.237105846405029, 6.192770004272461, 
 
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="losses recorded with torch 2.13 on CPU, float32")
 @pytest.mark.parametrize("arch", ["asymloop", "full_loop"])
-def test_fixed_k_is_bit_identical_to_before(tiny_configs, arch):
+def test_fixed_k_trains_as_before_sampled_depth(tiny_configs, arch):
     mcfg, tcfg = tiny_configs(arch, max_steps=10, eval_interval=10)
     result = train(mcfg, tcfg)
-    assert [r["loss"] for r in result["history"] if "loss" in r] + [result["val_loss"]] == BEFORE[arch]
+    losses = [r["loss"] for r in result["history"] if "loss" in r] + [result["val_loss"]]
+    assert len(losses) == len(BEFORE[arch]) and max(abs(a - b) for a, b in zip(losses, BEFORE[arch])) < TOL, losses
 
 
 DDP_SCRIPT = """
