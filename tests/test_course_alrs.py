@@ -77,19 +77,22 @@ def test_sweep_table_prints_every_run():
     assert any(line.split()[:2] == [r["arm"], f"{r['lr']:.3g}"] and f"{r['val_loss']:.4f}" in line for line in text.splitlines())
 
 
-def test_pipeline_figure_and_live_hooks():
+def test_pipeline_figure_and_each_arms_setup(tmp_path):
     fig = C.pipeline_figure()
     assert "ALRS" in fig.axes[0].get_title() and any("TOP_NAMES" in t.get_text() for t in fig.axes[0].texts)
 
-    class Cfg:  # the TrainConfig fields the hooks read
-        alrs_hi, alrs_lo, alrs_fit, alrs_every, alrs_phase, alrs_ramp = 5.0, 1.0, "ww", 10, 0.2, 5
+    def setup(arm, **kw):  # notebook 05's live runs and the study build each arm with experiments.arm_setup
+        return ex.arm_setup(arm, 2.5e-3, 0, 250, tmp_path, 2.4 if arm == "decoder_boost" else None, **kw)
 
-    schedule = {"alrs_every": 10, "alrs_ramp": 5, "alrs_phase": 0.2}
-    assert C.live_hook("uniform", Cfg, schedule, 250) is None and C.live_hook("decoder_boost", Cfg, schedule, 250) is None
-    assert isinstance(C.live_hook("uniform_top", Cfg, schedule, 250), ex.PinnedTop)
-    assert isinstance(C.live_hook("alrs_unpinned", Cfg, schedule, 250), alrs.ALRS)
+    assert setup("uniform")[2] is None and not setup("uniform")[1].alrs
+    cfg_t, hook = setup("decoder_boost")[1:]
+    assert hook is None and cfg_t.dec_lr_mult == 2.4 and not cfg_t.alrs
+    assert setup("alrs_hill")[1].alrs_fit == "hill_median" and setup("alrs")[1].alrs and setup("alrs")[2] is None
+    assert isinstance(setup("uniform_top")[2], ex.PinnedTop)
+    assert isinstance(setup("alrs_unpinned")[2], alrs.ALRS) and setup("alrs_unpinned")[2].top == ()
+    assert setup("uniform", stop_step=50, device="cpu")[1].stop_step == 50
     with pytest.raises(ValueError, match="unknown arm 'adam'"):
-        C.live_hook("adam", Cfg, schedule, 250)
+        setup("adam")
 
 
 def test_takeaway_titles_follow_the_data():

@@ -32,12 +32,17 @@ def exit_gap(run: dict, tau: float) -> float:
     return it["3"] - it["1"]
 
 
+def se_diff(p: float, q: float, n: int) -> float:
+    """The binomial standard error of the difference of two accuracies p and q, each on n answers."""
+    return ((p * (1 - p) + q * (1 - q)) / n) ** 0.5
+
+
 def as_good(a: dict, b: dict, metric: str, n: int | None = None) -> bool:
     """Is sweep row `a` at least as good as row `b` in `metric`? Accuracy ("acc") on `n` scored answers allows one
     binomial standard error of the difference, sqrt((p_a(1-p_a) + p_b(1-p_b)) / n); CE ("ce") has no stored
     per-token losses, hence no standard error, and is compared exactly."""
     if metric == "acc":
-        tol = 0.0 if n is None else ((a["acc"] * (1 - a["acc"]) + b["acc"] * (1 - b["acc"])) / n) ** 0.5
+        tol = 0.0 if n is None else se_diff(a["acc"], b["acc"], n)
         return a["acc"] >= b["acc"] - tol
     if metric == "ce":
         return a["ce"] <= b["ce"]
@@ -387,7 +392,7 @@ def seeds_report(runs: list[dict], gaps: dict, n: int, n3: int, tau: float = 0.0
                   + f"; minus 1-hop per program: 2-hop {g[2][0]:+.2f} (s.e. {g[2][1]:.3f}), 3-hop {g[3][0]:+.2f} "
                   f"(s.e. {g[3][1]:.3f}); answers {r['mean_iter_scored']:.2f}, other positions {other:.2f}",
                   f"   3-hop accuracy: rule {p:.3f}, fixed K=2 {q:.3f} (s.e. of the difference "
-                  f"{((p * (1 - p) + q * (1 - q)) / n3) ** 0.5:.3f}); fixed K=1 by hops "
+                  f"{se_diff(p, q, n3):.3f}); fixed K=1 by hops "
                   + " ".join(f"{fx[1]['acc_by_hops'][h]:.3f}" for h in "123"),
                   "   wrong answers at fixed K=1..6: " + " ".join(str(round((1 - f["acc"]) * n)) for f in run["fixed"])
                   + "; per tau: " + " ".join(f"{a['tau']:g}:{round((1 - a['acc']) * n)}" for a in run["adaptive"]),
@@ -399,9 +404,12 @@ def seeds_report(runs: list[dict], gaps: dict, n: int, n3: int, tau: float = 0.0
 def seeds_summary(runs: list[dict], gaps: dict, n3: int, tau: float = 0.03) -> str:
     """Three lines under the exit-gap figure: the per-program gaps, the rule's 3-hop edge over fixed K = 2 in
     standard errors, and fixed K = 1's accuracy by hops, one number per seed."""
+    def fixed(run, k):
+        return next(f for f in run["fixed"] if f["k"] == k)["acc_by_hops"]
+
     def edge(run):
-        p, q = at_tau(run["adaptive"], tau)["acc_by_hops"]["3"], run["fixed"][1]["acc_by_hops"]["3"]
-        return (p - q) / max(((p * (1 - p) + q * (1 - q)) / n3) ** 0.5, 1 / n3)
+        p, q = at_tau(run["adaptive"], tau)["acc_by_hops"]["3"], fixed(run, 2)["3"]
+        return (p - q) / max(se_diff(p, q, n3), 1 / n3)
 
     seeds = "/".join(str(r["seed"]) for r in runs)
     return "\n".join([
@@ -410,5 +418,5 @@ def seeds_summary(runs: list[dict], gaps: dict, n3: int, tau: float = 0.03) -> s
         + " ".join(f"{gaps[r['seed']][2][0]:+.2f}" for r in runs)
         + f" (s.e. at most {max(v[1] for r in runs for v in gaps[r['seed']].values()):.3f})",
         f"3-hop accuracy, the rule at tau={tau:g} minus fixed K=2, in s.e.: " + " ".join(f"{edge(r):+.1f}" for r in runs),
-        "at fixed K=1: 2-hop accuracy " + " ".join(f"{r['fixed'][0]['acc_by_hops']['2']:.3f}" for r in runs)
-        + ", 3-hop " + " ".join(f"{r['fixed'][0]['acc_by_hops']['3']:.3f}" for r in runs) + " (chance 0.25)"])
+        "at fixed K=1: 2-hop accuracy " + " ".join(f"{fixed(r, 1)['2']:.3f}" for r in runs)
+        + ", 3-hop " + " ".join(f"{fixed(r, 1)['3']:.3f}" for r in runs) + " (chance 0.25)"])

@@ -13,41 +13,21 @@ SRANK_GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decode
 PINNED = ("alrs", "alrs_hill", "uniform_top")  # the arms whose embedding and head run at the top multiplier
 
 
-def live_hook(arm: str, cfg_t, schedule: dict, total_steps: int):
-    """The `lr_hook` that makes arm `arm` from a TrainConfig: None for the arms the trainer builds itself
-    (uniform, alrs, alrs_hill), `PinnedTop` for uniform_top, ALRS without pinning for alrs_unpinned."""
-    from minimal_asymloop import alrs
-    from minimal_asymloop.experiments import PinnedTop
-
-    if arm == "uniform_top":
-        return PinnedTop(cfg_t.alrs_hi, schedule["alrs_ramp"])
-    if arm == "alrs_unpinned":
-        return alrs.ALRS(total_steps, cfg_t.alrs_fit, cfg_t.alrs_lo, cfg_t.alrs_hi, cfg_t.alrs_every, cfg_t.alrs_phase,
-                         cfg_t.alrs_ramp, top=())
-    if arm in ("uniform", "alrs", "alrs_hill", "decoder_boost"):
-        return None
-    raise ValueError(f"unknown arm {arm!r}; choose from uniform, alrs, alrs_hill, alrs_unpinned, uniform_top, decoder_boost")
-
-
 def live_run(arm: str, res: dict, lr: float, steps: int, device: str = "cpu") -> list[dict]:
-    """The first `steps` steps of the study's run of `arm` at base LR `lr`, seed 0, on 1 thread (as the study ran):
-    its logged history. The checkpoint lands in out/nb05_live_<arm>."""
+    """The first `steps` steps of the study's run of `arm` at base LR `lr`, seed 0, on 1 thread (as the study ran),
+    built by the study's own experiments.arm_setup: its logged history. The checkpoint lands in out/nb05_live_<arm>."""
     from minimal_asymloop import experiments as ex
-    from minimal_asymloop.model import ModelConfig
     from minimal_asymloop.paths import OUT
-    from minimal_asymloop.trainer import TrainConfig, train
+    from minimal_asymloop.trainer import train
 
     S = res["setting"]
-    extra = dict(alrs=arm not in ("uniform", "decoder_boost"), **S["schedule"], alrs_fit="hill_median" if arm == "alrs_hill" else "ww")
-    if arm == "decoder_boost":  # the trainer builds alrs.DecoderLRBoost from dec_lr_mult
-        extra["dec_lr_mult"] = res["decoder_boost_mult"]
-    cfg_t = TrainConfig(**{**ex.ALRS_TRAIN, **extra, "lr": lr, "max_steps": S["steps"], "eval_interval": S["steps"], "device": device,
-                           "seed": S["seeds"][0], "stop_step": steps, "out_dir": str(OUT / f"nb05_live_{arm}")})
+    cfg, cfg_t, hook = ex.arm_setup(arm, lr, S["seeds"][0], S["steps"], OUT / f"nb05_live_{arm}",
+                                    res["decoder_boost_mult"] if arm == "decoder_boost" else None,
+                                    stop_step=steps, device=device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # float sums depend on the thread count
     try:
-        return train(ModelConfig(arch="asymloop", n_iter=3, **ex.ALRS_LM), cfg_t,
-                     lr_hook=live_hook(arm, cfg_t, S["schedule"], S["steps"]))["history"]
+        return train(cfg, cfg_t, lr_hook=hook)["history"]
     finally:
         torch.set_num_threads(threads)
 

@@ -47,6 +47,7 @@ from minimal_asymloop.experiments.alrs_study import (
     alrs_experiment,
     alrs_records,
     alrs_spectra,
+    arm_setup,
     best_lr,
     setting_of,
 )

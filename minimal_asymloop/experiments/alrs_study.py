@@ -62,6 +62,32 @@ class PinnedTop:
         pass
 
 
+ARMS = ("uniform", "alrs", "alrs_hill", "alrs_unpinned", "uniform_top", "decoder_boost")
+
+
+def arm_setup(arm: str, lr: float, seed: int, steps: int, out_dir, dec_mult: float | None = None, **train):
+    """(ModelConfig, TrainConfig, lr_hook) of one arm of the study at base LR `lr` and `seed`, `steps` long, writing
+    to `out_dir`; `train` overrides TrainConfig fields (notebook 05's live runs: stop_step, device). The lr_hook is None
+    for the arms the trainer builds itself (uniform, alrs, alrs_hill; decoder_boost through dec_lr_mult)."""
+    from minimal_asymloop import alrs
+
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    on = arm not in ("uniform", "decoder_boost")
+    extra = dict(alrs=on, **ALRS_SCHEDULE, alrs_fit="hill_median" if arm == "alrs_hill" else "ww") if on else dict(alrs=False)
+    if arm == "decoder_boost":  # the trainer builds alrs.DecoderLRBoost from dec_lr_mult
+        extra["dec_lr_mult"] = dec_mult
+    train_cfg = TrainConfig(**{**ALRS_TRAIN, **extra, "lr": lr, "max_steps": steps, "eval_interval": steps, "seed": seed,
+                               "out_dir": str(out_dir), **train})
+    hook = None
+    if arm == "uniform_top":  # uniform LR, except what ALRS pins: embedding and head at its top multiplier
+        hook = PinnedTop(train_cfg.alrs_hi, ALRS_SCHEDULE["alrs_ramp"])
+    if arm == "alrs_unpinned":  # the trainer's hook pins embedding and head; this one does not (the out_dir name says so)
+        t = train_cfg
+        hook = alrs.ALRS(steps, t.alrs_fit, t.alrs_lo, t.alrs_hi, t.alrs_every, t.alrs_phase, t.alrs_ramp, top=())
+    return ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM), train_cfg, hook
+
+
 def alrs_arm(arm: str, lr: float, seed: int, steps: int, dec_mult: float | None = None) -> dict:
     """One run of the ALRS study: arm is uniform, alrs (ww fit), alrs_hill (hill_median fit), alrs_unpinned
     (embedding and head allocated like every other matrix), uniform_top (uniform LR with embedding and head at the
@@ -69,20 +95,8 @@ def alrs_arm(arm: str, lr: float, seed: int, steps: int, dec_mult: float | None 
     baseline). Cached in out/experiments/ by arm, LR and seed."""
     from minimal_asymloop import alrs
 
-    cfg = ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM)
-    on = arm not in ("uniform", "decoder_boost")
-    extra = dict(alrs=on, **ALRS_SCHEDULE, alrs_fit="hill_median" if arm == "alrs_hill" else "ww") if on else dict(alrs=False)
-    if arm == "decoder_boost":  # the trainer builds alrs.DecoderLRBoost from dec_lr_mult
-        extra["dec_lr_mult"] = dec_mult
     out_dir = RUNS / f"alrs_study-{arm}{'' if dec_mult is None else f'{dec_mult:.3g}'}-lr{lr:.3g}-s{seed}"
-    train_cfg = TrainConfig(**{**ALRS_TRAIN, **extra, "lr": lr, "max_steps": steps, "eval_interval": steps, "seed": seed,
-                               "out_dir": str(out_dir)})
-    hook = None
-    if arm == "uniform_top":  # uniform LR, except what ALRS pins: embedding and head at its top multiplier
-        hook = PinnedTop(train_cfg.alrs_hi, ALRS_SCHEDULE["alrs_ramp"])
-    if arm == "alrs_unpinned":  # the trainer's hook pins embedding and head; this one does not (the out_dir name says so)
-        t = train_cfg
-        hook = alrs.ALRS(steps, t.alrs_fit, t.alrs_lo, t.alrs_hi, t.alrs_every, t.alrs_phase, t.alrs_ramp, top=())
+    cfg, train_cfg, hook = arm_setup(arm, lr, seed, steps, out_dir, dec_mult)
     result, model = train_lm(cfg, train_cfg, hook, reuse=True)
     history = result["history"]
     records = alrs_records(history)
