@@ -198,7 +198,8 @@ def plot_program_attention(models: dict, task, seed: int = 3, shares=statement_s
     for ax in axes[-1]:
         ax.set_xlabel("key statement (4 tokens)")
     fig.colorbar(im, ax=axes, shrink=0.6, label="share of attention")
-    fig.suptitle("One program: where each right-hand side looks (o: j = 1 hop back, x: j = 2)", fontsize=11)
+    fig.suptitle("One program: where each right-hand side looks, Global and Local halves summed, mean over heads "
+                 "(o: j = 1 hop back, x: j = 2)", fontsize=11)
     return fig
 
 

@@ -285,7 +285,7 @@ def plot_variants(runs: LMRuns, ks=(1, 3, 5)) -> Figure:
         for i in range(d.shape[1]):
             ax.plot(ks, d[:, i], "o", color="tab:blue", alpha=0.6, ms=7, label="ours, each seed" if i == 0 else None)
         ax.plot(ks, d.mean(1), "D-", color="tab:blue", ms=8, label=f"ours, mean ({runs.tpp:.1f} tokens/param)")
-        paper = [(k, paper_variant(v, k)) for k in ks if paper_variant(v, k) is not None]
+        paper = [(k, p) for k in ks if (p := paper_variant(v, k)) is not None]
         ax.plot([k for k, _ in paper], [p[0] for _, p in paper], "ks--", ms=7,
                 label="paper (" + ", ".join(sorted({p[1] for _, p in paper}))
                 + f"; 60M inferred, {paper_tokens_per_param():.1f} tokens/param)")
@@ -309,10 +309,11 @@ def plot_variants(runs: LMRuns, ks=(1, 3, 5)) -> Figure:
 def matched_table(runs: LMRuns, diffs: dict):
     """AsymLoop minus its matched-depth baseline: our mean, seeds ahead, and the paper's like-for-like difference."""
     print(f"AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop ahead)\n{'pair':>27} {'depth':>5} "
-          f"{'ours, mean ± std':>16} {'ahead in':>9}   paper, uniform LR and QKNorm (60M)")
+          f"{'ours, mean ± std':>16} {'ahead in':>9}   paper, uniform LR and QKNorm (60M inferred)")
     for (b, a), d in diffs.items():
         p = paper_matched(b, a)
-        src = next((f"{p[t]:+.3f} ({t})" for t in ("Table 6", "Table 7") if p[t] is not None), "no like-for-like run")
+        src = next((f"{p[t]:+.3f} ({t}{', its K = 1 w/o Global KV as Dense' if t == 'Table 6' else ''})"
+                    for t in ("Table 6", "Table 7") if p[t] is not None), "no like-for-like run")
         depth = runs.runs[(a, runs.seeds[0])]["effective_depth"]
         print(f"{a + ' - ' + b:>27} {depth:>5} {ms(d):>16} {f'{(d < 0).sum()}/{len(d)}':>9}   {src}")
 
@@ -367,9 +368,8 @@ def _train_one(name: str, total: int, steps: int, seed: int) -> dict:
         result, model = ex.train_lm(cfg, ex.train_config(total, seed, folder, stop_step=steps, eval_interval=steps))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    out = dict(model=model, val_loss=result["val_loss"], seconds=time.time() - t0,
-                     cpu_seconds=time.process_time() - c0,
-                     train_loss=[(r["step"], r["loss"]) for r in result["history"] if "loss" in r])
+    out = dict(model=model, val_loss=result["val_loss"], seconds=time.time() - t0, cpu_seconds=time.process_time() - c0,
+               train_loss=[(r["step"], r["loss"]) for r in result["history"] if "loss" in r])
     print(f"{name:>22}: {steps} of {total} steps, seed {seed}: val loss {result['val_loss']:.3f} "
           f"({out['seconds']:.0f} s, {out['cpu_seconds']:.0f} CPU s)")
     return out
