@@ -103,10 +103,11 @@ def test_logits_and_loss_equal_looped_lm_for_every_architecture(name, bpe, tmp_p
         packaged = AutoModelForCausalLM.from_pretrained(folder).eval()  # no trust_remote_code: our registered class
         assert type(packaged) is hf.AsymLoopForCausalLM and type(remote(folder)).__module__.startswith("transformers_modules.")
         for model in (remote(folder), packaged):  # the export's code and ours
-            out = model(x, labels=x)
-            diff = (out.logits[:, :-1] - ref).abs().max().item()
+            # Logits on the same 23 positions as ours: a different length changes the matmuls' blocking, which moved
+            # them by 2.4e-6 on an AVX2 CPU. The loss takes the unshifted labels, as transformers' users pass them.
+            diff = (model(x[:, :-1]).logits - ref).abs().max().item()
             print(f"{name}: max |logit difference| {diff:.3g}")
-            assert diff <= 1e-6 and out.loss.item() == pytest.approx(ref_loss.item(), abs=1e-5)
+            assert diff <= 1e-6 and model(x, labels=x).loss.item() == pytest.approx(ref_loss.item(), abs=1e-5)
 
 
 def test_generate_equals_our_sampler_with_and_without_cache_at_any_depth(exported):
