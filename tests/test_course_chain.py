@@ -24,6 +24,14 @@ def test_counts_and_steps_are_the_json(ctx):
         assert sorted(ctx.steps(name)) == sorted(r["steps"] for r in mine if r["converged"])  # failed seeds left out
 
 
+def test_two_studies_part_on_the_plateau(ctx):
+    grid = chain.ChainRuns("chain_task")
+    assert ctx.parted_at(ctx, "asymloop_k3") == [None] * 5  # a study never parts from itself
+    assert grid.parted_at(ctx, "asymloop_k3") == [500] * 5  # same check scores through step 250, then apart
+    assert grid.parted_at(ctx, "asymloop_k3_no_global") == [None] * 5  # chain_task's copies of chain_context's runs
+    assert grid.parted_at(ctx, "dense_l4") == [500, 500, 250, 500, 500]
+
+
 def test_accuracy_at_test_time_k(ctx):
     r = ctx.run("asymloop_k3", 1)
     assert ctx.acc("asymloop_k3", 3, k=1)[1] == r["acc_by_test_k"]["1"]["3"]

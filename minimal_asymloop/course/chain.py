@@ -59,6 +59,15 @@ class ChainRuns:
         """Steps to converge, solved seeds only."""
         return np.array([r["steps"] for r in self._all(name) if r["converged"]])
 
+    def parted_at(self, other: "ChainRuns", name):
+        """Per seed, the first check step at which this study's run of `name` and `other`'s score the check programs
+        differently (None: never, within the steps both ran)."""
+        out = []
+        for s in self.seeds:
+            a, b = ({step: acc for step, acc in r.run(name, s)["curve"]} for r in (self, other))
+            out.append(next((t for t in sorted(a.keys() & b.keys()) if a[t] != b[t]), None))
+        return out
+
     def minutes(self, names=None):
         return sum(r["seconds"] for (n, _), r in self.runs.items() if names is None or n in names) / 60
 
