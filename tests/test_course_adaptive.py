@@ -232,6 +232,7 @@ def test_exit_gap_figure_draws_each_seeds_gaps_and_the_fixed_k_reference():
     assert any(list(line.get_ydata()) == [0, 0] for line in left.lines)  # fixed K: gap 0
     seed0 = next(line for line in right.lines if line.get_label() == f"seed {runs[0]['seed']}")
     assert seed0.get_ydata()[0] == runs[0]["fixed"][1]["acc_by_hops"]["3"]  # fixed K = 2, not K = 1
+    assert len(seed0.get_ydata()) == 2  # the rule is drawn apart, not on the line of fixed depths
 
 
 def test_chain_frontier_rings_only_the_thresholds_no_fixed_k_matches():
@@ -243,6 +244,8 @@ def test_chain_frontier_rings_only_the_thresholds_no_fixed_k_matches():
         alone = [t for t, k in C.beaten_by_fixed(run, "flops_vs_max", "acc", n).items() if k is None]
         assert len(ring.get_xdata()) == len(alone)
     assert len(next(line for line in fig.axes[0].lines if line.get_label().startswith("no fixed")).get_xdata()) == 1
+    taus = [t.get_text() for t in fig.axes[0].texts if t.get_text().startswith("τ=")]
+    assert taus == [f"τ={runs[0]['adaptive'][1]['tau']:g}", f"τ={runs[0]['adaptive'][-1]['tau']:g}"]  # smallest, largest > 0
 
 
 def test_seeds_summary_and_report_print_the_committed_numbers():

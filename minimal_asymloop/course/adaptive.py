@@ -340,14 +340,16 @@ def plot_exit_gaps(runs: list[dict], gaps: dict, tau: float = 0.03) -> Figure:
         for x, a in enumerate((2, 3)):
             left.errorbar(x + 0.08 * (j - 1), g[a][0], yerr=g[a][1], fmt=m, color=HOP_COLORS[str(a)], ms=7, capsize=3)
         fx, r = {f["k"]: f for f in run["fixed"]}, at_tau(run["adaptive"], tau)
-        ys = [fx[2]["acc_by_hops"]["3"], r["acc_by_hops"]["3"], fx[3]["acc_by_hops"]["3"]]
-        right.plot([0, 1, 2], ys, m + "-", color="0.3", lw=0.8, ms=7, label=f"seed {run['seed']}")
+        ys = [fx[2]["acc_by_hops"]["3"], fx[3]["acc_by_hops"]["3"], r["acc_by_hops"]["3"]]
+        right.plot([0, 1], ys[:2], m + "-", color="0.3", lw=0.8, ms=7, label=f"seed {run['seed']}")
+        right.plot([2], ys[2:], m, color="C1", ms=7)  # the rule: no depth of its own, so not joined to the fixed K
     left.axhline(0, ls="--", c="0.5", lw=1)
     left.text(1.3, 0.04, "fixed K: every answer\nruns K iterations (0)", ha="right", color="0.4", fontsize=8)
     left.set(xticks=[0, 1], xticklabels=["2-hop minus 1-hop", "3-hop minus 1-hop"], xlim=(-0.5, 1.5),
              ylabel="exit iteration difference\n(same program, ± 1 s.e.)", title=f"Exit later at τ = {tau:g}")
-    right.set(xticks=[0, 1, 2], xticklabels=["fixed K=2", f"rule, τ={tau:g}", "fixed K=3"], ylim=(0.93, 1.003),
-              ylabel="3-hop accuracy (at K=1: chance, 0.25)", title="3-hop accuracy: the rule vs fixed depths")
+    right.axvline(1.5, c="0.7", lw=0.8)
+    right.set(xticks=[0, 1, 2], xticklabels=["fixed K=2", "fixed K=3", f"rule, τ={tau:g}\n(iterations per token vary)"],
+              ylim=(0.93, 1.003), ylabel="3-hop accuracy", title="3-hop accuracy: fixed depths and the rule")
     right.legend(fontsize=8, loc="lower right")
     for ax in (left, right):
         ax.grid(alpha=0.3)
@@ -368,7 +370,11 @@ def plot_chain_frontier(runs: list[dict], n: int) -> Figure:
         for f in fixed:
             ax.annotate(f"K={f['k']}", (f["flops_vs_max"], wrong(f)), textcoords="offset points", xytext=(-4, 6),
                         fontsize=7)
-        ax.plot([r["flops_vs_max"] for r in ad], [wrong(r) for r in ad], "o-", c="C1", ms=4, label="exit rule, one dot per τ")
+        ax.plot([r["flops_vs_max"] for r in ad], [wrong(r) for r in ad], "o-", c="C1", ms=4,
+                label="exit rule, one dot per τ (larger τ: left)")
+        for r in (ad[0], ad[-1]):  # the smallest and largest τ
+            ax.annotate(f"τ={r['tau']:g}", (r["flops_vs_max"], wrong(r)), textcoords="offset points", xytext=(2, -11),
+                        fontsize=7, color="C1")
         alone = [r for r in ad if beaten_by_fixed(run, "flops_vs_max", "acc", n)[r["tau"]] is None]
         ax.plot([r["flops_vs_max"] for r in alone], [wrong(r) for r in alone], "o", mfc="none", mec="r", ms=10,
                 label="no fixed K as accurate for no more FLOPs")
