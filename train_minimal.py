@@ -25,7 +25,7 @@ import types
 from dataclasses import fields
 from pathlib import Path
 
-from minimal_asymloop.alrs import FIT_FNS
+from minimal_asymloop.alrs import FIT_FNS, TOP_MODES
 from minimal_asymloop.checkpoint import CheckpointError
 from minimal_asymloop.config import TRAIN_PRESETS, TrainConfig, field_docs
 from minimal_asymloop.model import ARCHS, BACKBONES, CONTEXTS, PAPER_MOE, PRESETS, ModelConfig
@@ -75,7 +75,7 @@ def _field_parser(f):
 
 
 # the values of the fields that take one of a few; the dataclasses check them against the same tuples
-CHOICES = dict(arch=ARCHS, context=CONTEXTS, backbone=BACKBONES, tokenizer=TOKENIZERS, alrs_fit=tuple(FIT_FNS),
+CHOICES = dict(arch=ARCHS, context=CONTEXTS, backbone=BACKBONES, tokenizer=TOKENIZERS, alrs_fit=tuple(FIT_FNS), alrs_top=tuple(TOP_MODES),
                device=(*DEVICES, "cuda:N"), dtype=DTYPES)
 
 

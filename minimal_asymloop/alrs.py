@@ -26,6 +26,10 @@ MIN_EVALS = 50  # matrices with fewer eigenvalues are not tuned
 # Embedding and head always get the top multiplier, as in the reference code. (ours) Their alphas are
 # logged but kept out of the min/max: their multiplier is pinned, so they take no part in the interpolation.
 TOP_NAMES = ("embed.weight", "head.weight")
+# What ALRS does with them (--alrs-top): "pin" at the top multiplier (He et al.'s code, the default); "base", fitted
+# and logged but left at 1x, as the paper words it ("individual weight matrices in the encoder and decoder", Section
+# 3.3); "fit", allocated by their alphas like every other matrix (ours, a control)
+TOP_MODES = {"pin": dict(top=TOP_NAMES), "base": dict(top=(), skip=TOP_NAMES), "fit": dict(top=())}
 GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN", "global KV",
           "attention", "FFN", "embedding/head")  # "attention"/"FFN": the `blocks` of dense and full_loop
 
@@ -204,7 +208,7 @@ class ALRS:
     per_matrix = True  # tells the trainer to give every matrix its own optimizer group
 
     def __init__(self, total_steps: int, fit="ww", lo=1.0, hi=5.0, every=100, phase=0.2, ramp=50,
-                 first_step=0, top=TOP_NAMES):
+                 first_step=0, top=TOP_NAMES, skip=()):
         if fit not in FITS:
             raise ValueError(f"unknown ALRS fit {fit!r}; choose one of {', '.join(FITS)}")
         if every < 1 or ramp < 0 or not 0 <= phase <= 1 or total_steps < 1:
@@ -214,6 +218,9 @@ class ALRS:
         self.total_steps, self.fit, self.lo, self.hi = total_steps, fit, lo, hi
         self.every, self.phase, self.ramp_len, self.first_step = every, phase, ramp, first_step
         self.top = tuple(top)  # pinned at `hi`, outside the min/max; () allocates embedding and head like the rest
+        self.skip = tuple(skip)  # fitted and logged, but left at 1x and outside the min/max (the paper's wording: TOP_NAMES)
+        if set(self.top) & set(self.skip):
+            raise ValueError(f"a matrix cannot be both pinned and skipped: {sorted(set(self.top) & set(self.skip))}")
         self.alphas: dict[str, float] = {}
         self.start: dict[str, float] = {}  # multipliers when the current ramp began
         self.target: dict[str, float] = {}
@@ -246,7 +253,8 @@ class ALRS:
             buf = torch.tensor([alphas[n] for n in names] if alphas else [0.0] * len(names), dtype=torch.float64, device=device)
             dist.broadcast(buf, src=0)
             alphas = dict(zip(names, buf.tolist()))
-        self.retarget(step, multipliers_from_alphas(alphas or {}, self.lo, self.hi, top=self.top))
+        tuned = {k: a for k, a in (alphas or {}).items() if k not in self.skip}
+        self.retarget(step, multipliers_from_alphas(tuned, self.lo, self.hi, top=self.top))
         self.alphas, self.last_alloc = alphas or {}, step
         return dict(alrs_step=step, alrs_fit=self.fit, alrs_seconds=round(time.perf_counter() - t0, 3), alrs_alpha=self.alphas,
                     alrs_multiplier=self.target, alrs_group_mean=group_means(self.target), alrs_group_alpha=group_means(self.alphas))

@@ -71,6 +71,7 @@ class TrainConfig:
     alrs_every: int = 100  # steps between allocations
     alrs_phase: float = 0.2  # allocate while step <= phase * total steps, then freeze
     alrs_ramp: int = 50  # steps of linear transition to each new allocation
+    alrs_top: str = "pin"  # embedding and head: pin (top multiplier: He et al.'s code) | base (1x: the paper's words) | fit (by alpha)
     dec_lr_mult: float | None = None  # Table 4b's baseline instead of ALRS: one LR multiplier for all decoder matrices; None -> off
     # (ours) train once, run at any depth: K drawn per optimizer step, after Huginn (depth.py); fixed is the paper
     depth_sampler: str = "fixed"  # K per step: fixed (the model's n_iter) | uniform (depth_min..depth_max) | lognormal_poisson (Huginn's)
@@ -199,8 +200,11 @@ def check_seed(seed, error=ConfigError):
 
 
 def alrs_hook(cfg: TrainConfig) -> alrs.ALRS:
+    if cfg.alrs_top not in alrs.TOP_MODES:
+        raise ConfigError(f"unknown alrs_top {cfg.alrs_top!r}; choose one of {', '.join(alrs.TOP_MODES)} (e.g. --alrs-top base)")
     try:
-        return alrs.ALRS(cfg.total_steps(), cfg.alrs_fit, cfg.alrs_lo, cfg.alrs_hi, cfg.alrs_every, cfg.alrs_phase, cfg.alrs_ramp)
+        return alrs.ALRS(cfg.total_steps(), cfg.alrs_fit, cfg.alrs_lo, cfg.alrs_hi, cfg.alrs_every, cfg.alrs_phase, cfg.alrs_ramp,
+                         **alrs.TOP_MODES[cfg.alrs_top])
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -203,6 +203,24 @@ def test_unpinned_embedding_and_head_are_allocated_by_their_alphas(monkeypatch):
     assert free["embed.weight"] == 1.0 and free["head.weight"] < pinned["head.weight"]
 
 
+def test_skipped_embedding_and_head_stay_at_base_lr_outside_the_range(monkeypatch):
+    """skip=TOP_NAMES (the paper's wording: ALRS on encoder and decoder matrices): embedding and head are fitted and
+    logged, keep lr_mult 1, and their alphas do not move the other matrices' range."""
+    model = small_model()
+    names = [n for n in alrs.tuned_matrices(model) if n not in alrs.TOP_NAMES]
+    alphas = {n: 3.0 + i for i, n in enumerate(names)} | {"embed.weight": 1.0, "head.weight": 99.0}  # outside the blocks'
+    monkeypatch.setattr(alrs, "matrix_alphas", lambda m, fit: dict(alphas))
+    opt = per_matrix_optimizer(model)
+    rec = alrs.ALRS(100, every=10, phase=0.2, ramp=0, top=(), skip=alrs.TOP_NAMES).on_step(0, model, opt)
+    blocks = {n: alphas[n] for n in names}
+    assert rec["alrs_multiplier"] == pytest.approx(alrs.multipliers_from_alphas(blocks))  # the range is the blocks' own
+    assert rec["alrs_alpha"]["head.weight"] == 99.0  # still fitted and logged
+    mult = {g["name"]: g["lr_mult"] for g in opt.param_groups}
+    assert mult["embed.weight"] == mult["head.weight"] == 1.0 and max(mult.values()) == 5.0
+    with pytest.raises(ValueError, match="both pinned and skipped"):
+        alrs.ALRS(100, skip=alrs.TOP_NAMES)  # the default top pins them
+
+
 def test_state_dict_resume_reproduces_multipliers():
     """Real hill_median fits; the weights change between allocations; resume at step 130 from state_dict."""
     import copy
@@ -286,7 +304,11 @@ def test_alrs_on_by_default_for_asymloop_only_and_cli_errors(capsys):
     assert isinstance(make_alrs(TrainConfig.from_preset("tiny", alrs=True), "asymloop"), alrs.ALRS)
     hook = make_alrs(TrainConfig(max_steps=10, alrs=True, alrs_fit="hill_median", alrs_lo=0.5, alrs_hi=2.0), "full_loop")
     assert (hook.fit, hook.lo, hook.hi, hook.total_steps) == ("hill_median", 0.5, 2.0, 10)
+    modes = {m: make_alrs(TrainConfig(max_steps=10, alrs_top=m), "asymloop") for m in ("pin", "base", "fit")}
+    assert [(h.top, h.skip) for h in modes.values()] == [(alrs.TOP_NAMES, ()), ((), alrs.TOP_NAMES), ((), ())]
+    assert make_alrs(TrainConfig(max_steps=10), "asymloop").top == alrs.TOP_NAMES  # He et al.'s code by default
     for argv, message in ((["--alrs-fit", "hill"], "unknown ALRS fit 'hill'; choose one of ww, hill_median"),
+                          (["--alrs-top", "none"], "unknown alrs_top 'none'; choose one of pin, base, fit"),
                           (["--alrs-range", "5", "1"], "ALRS multiplier range needs 0 < lo <= hi, got lo=5.0, hi=1.0")):
         with pytest.raises(SystemExit) as e:
             train_minimal.main(argv)

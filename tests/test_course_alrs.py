@@ -11,6 +11,7 @@ from matplotlib.colors import to_rgb
 from minimal_asymloop import alrs
 from minimal_asymloop import experiments as ex
 from minimal_asymloop.course import alrs as C
+from minimal_asymloop.optim import make_alrs
 from minimal_asymloop.paths import RESULTS
 
 RES = json.loads((RESULTS / "alrs.json").read_text())
@@ -88,8 +89,9 @@ def test_pipeline_figure_and_each_arms_setup(tmp_path):
     cfg_t, hook = setup("decoder_boost")[1:]
     assert hook is None and cfg_t.dec_lr_mult == 2.4 and not cfg_t.alrs
     assert setup("alrs_hill")[1].alrs_fit == "hill_median" and setup("alrs")[1].alrs and setup("alrs")[2] is None
-    assert isinstance(setup("uniform_top")[2], ex.PinnedTop)
-    assert isinstance(setup("alrs_unpinned")[2], alrs.ALRS) and setup("alrs_unpinned")[2].top == ()
+    assert isinstance(setup("uniform_top")[2], ex.PinnedTop) and not setup("uniform_top")[1].alrs
+    tops = {arm: make_alrs(setup(arm)[1], "asymloop") for arm in ("alrs", "alrs_unpinned", "alrs_blocks")}  # the trainer's
+    assert [(h.top, h.skip) for h in tops.values()] == [(alrs.TOP_NAMES, ()), ((), ()), ((), alrs.TOP_NAMES)]
     assert setup("uniform", stop_step=50, device="cpu")[1].stop_step == 50
     with pytest.raises(ValueError, match="unknown arm 'adam'"):
         setup("adam")

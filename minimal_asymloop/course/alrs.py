@@ -7,6 +7,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
 ARM_LABELS = {"uniform": "uniform LR", "alrs": "ALRS", "alrs_unpinned": "ALRS, embedding/head not pinned",
+              "alrs_blocks": "ALRS, embedding/head at 1× (the paper's words)",
               "alrs_hill": "ALRS, hill_median fit", "uniform_top": "uniform, embedding/head at 5× only",
               "scaled": "uniform × ALRS's mean multiplier", "decoder_boost": "decoder LR boost (Table 4b)"}
 SRANK_GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN")
@@ -72,8 +73,10 @@ def best_lr(res: dict, arm: str) -> float:
 def control_arms(res: dict) -> dict[str, tuple[str, float]]:
     """{label: (arm, base LR)}: ALRS at its best and the controls, each run at the LR the study gave it."""
     first = res["best_lr_first_seed"]
-    arms = {ARM_LABELS["alrs"]: ("alrs", best_lr(res, "alrs")),
-            ARM_LABELS["scaled"]: ("uniform", res["scaled_uniform_lr"]),
+    arms = {ARM_LABELS["alrs"]: ("alrs", best_lr(res, "alrs"))}
+    if "alrs_blocks" in res["setting"]["lr_grids"]:  # its own sweep: at its own best
+        arms[ARM_LABELS["alrs_blocks"]] = ("alrs_blocks", best_lr(res, "alrs_blocks"))
+    arms |= {ARM_LABELS["scaled"]: ("uniform", res["scaled_uniform_lr"]),
             ARM_LABELS["alrs_unpinned"]: ("alrs_unpinned", first["alrs"]),
             ARM_LABELS["alrs_hill"]: ("alrs_hill", first["alrs"]),
             ARM_LABELS["uniform_top"]: ("uniform_top", first["uniform"])}
@@ -206,7 +209,9 @@ def plot_sweep(res: dict) -> Figure:
     """Final val loss against the base LR for each arm: mean ± sd over seeds, one dot per seed."""
     fig = Figure(figsize=(8, 4.5))
     ax = fig.subplots()
-    for arm, color in (("uniform", "C0"), ("alrs", "C3")):
+    for arm, color in (("uniform", "C0"), ("alrs", "C3"), ("alrs_blocks", "C2")):
+        if arm not in res["setting"]["lr_grids"]:
+            continue
         lrs = sorted(res["setting"]["lr_grids"][arm])
         vals = [[r["val_loss"] for r in runs_of(res, arm, lr).values()] for lr in lrs]
         ax.errorbar(lrs, [np.mean(v) for v in vals], yerr=[np.std(v, ddof=1) if len(v) > 1 else 0 for v in vals],
@@ -238,7 +243,7 @@ def controls_title(res: dict) -> str:
     if wins == set(PINNED) and not scaled:
         boost = " or decoder" if "decoder_boost_mult" in res else ""
         return ("The three arms that pin embedding and head at 5× beat uniform LR in every seed;\n"
-                f"unpinned ALRS and the arms that only raise the LR (uniform{boost}) do not")
+                f"ALRS without the pin and the arms that only raise the LR (uniform{boost}) do not")
     names = [label for label, (arm, lr) in control_arms(res).items() if arm in wins or (arm == "uniform" and scaled)]
     return "Better than uniform LR at its best in every seed:\n" + (", ".join(names) or "none of the arms")
 

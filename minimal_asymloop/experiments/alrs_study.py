@@ -1,6 +1,7 @@
 """The ALRS study of notebook 05, fairly: a base-LR sweep for uniform LR and for ALRS, then controls at the best LRs
 (the uniform LR scaled by ALRS's mean multiplier, embedding/head unpinned, the hill_median fit, uniform LR with
-only embedding and head at ALRS's top multiplier, and the paper's Table 4b decoder LR boost), at >= 3 seeds each.
+only embedding and head at ALRS's top multiplier, and the paper's Table 4b decoder LR boost), at >= 3 seeds each; and
+ALRS as the paper words it (encoder and decoder matrices only, embedding and head at 1x), with its own sweep.
 """
 
 import time
@@ -28,7 +29,7 @@ ALRS_SCHEDULE = dict(alrs_every=10, alrs_ramp=5, alrs_phase=0.2)
 ALRS_STEPS = 250  # (ours) 16 x 128 x 250 = 512K tokens: 2.08 tokens/param at this setting
 # base-LR grids (ours): ALRS multiplies the base LR by 1-5, so its grid sits one octave lower; an arm whose best LR
 # lands on the edge of its grid gets one more LR beyond that edge before the controls run
-ALRS_LRS = {"uniform": (2.5e-3, 5e-3, 1e-2), "alrs": (1.25e-3, 2.5e-3, 5e-3)}
+ALRS_LRS = {"uniform": (2.5e-3, 5e-3, 1e-2), "alrs": (1.25e-3, 2.5e-3, 5e-3), "alrs_blocks": (1.25e-3, 2.5e-3, 5e-3)}
 SPECTRA = ("decoder.0.mlp.up.weight", "encoder.0.attn.wq.weight")  # matrices whose eigenvalues are stored
 
 
@@ -62,37 +63,36 @@ class PinnedTop:
         pass
 
 
-ARMS = ("uniform", "alrs", "alrs_hill", "alrs_unpinned", "uniform_top", "decoder_boost")
+ARMS = ("uniform", "alrs", "alrs_hill", "alrs_unpinned", "alrs_blocks", "uniform_top", "decoder_boost")
 
 
 def arm_setup(arm: str, lr: float, seed: int, steps: int, out_dir, dec_mult: float | None = None, **train):
     """(ModelConfig, TrainConfig, lr_hook) of one arm of the study at base LR `lr` and `seed`, `steps` long, writing
     to `out_dir`; `train` overrides TrainConfig fields (notebook 05's live runs: stop_step, device). The lr_hook is None
-    for the arms the trainer builds itself (uniform, alrs, alrs_hill; decoder_boost through dec_lr_mult)."""
-    from minimal_asymloop import alrs
-
+    for the arms the trainer builds itself (uniform, every ALRS arm through alrs_fit and alrs_top, decoder_boost through
+    dec_lr_mult); uniform_top's is PinnedTop."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
-    on = arm not in ("uniform", "decoder_boost")
-    extra = dict(alrs=on, **ALRS_SCHEDULE, alrs_fit="hill_median" if arm == "alrs_hill" else "ww") if on else dict(alrs=False)
+    on = arm not in ("uniform", "uniform_top", "decoder_boost")
+    # alrs_unpinned: embedding and head allocated by their alphas; alrs_blocks: left at 1x, the paper's wording (Section
+    # 3.3: "individual weight matrices in the encoder and decoder"); the other ALRS arms pin them, as He et al.'s code
+    top = {"alrs_unpinned": "fit", "alrs_blocks": "base"}.get(arm, "pin")
+    extra = dict(alrs=True, **ALRS_SCHEDULE, alrs_fit="hill_median" if arm == "alrs_hill" else "ww", alrs_top=top) if on \
+        else dict(alrs=False)
     if arm == "decoder_boost":  # the trainer builds alrs.DecoderLRBoost from dec_lr_mult
         extra["dec_lr_mult"] = dec_mult
     train_cfg = TrainConfig(**{**ALRS_TRAIN, **extra, "lr": lr, "max_steps": steps, "eval_interval": steps, "seed": seed,
                                "out_dir": str(out_dir), **train})
-    hook = None
-    if arm == "uniform_top":  # uniform LR, except what ALRS pins: embedding and head at its top multiplier
-        hook = PinnedTop(train_cfg.alrs_hi, ALRS_SCHEDULE["alrs_ramp"])
-    if arm == "alrs_unpinned":  # the trainer's hook pins embedding and head; this one does not (the out_dir name says so)
-        t = train_cfg
-        hook = alrs.ALRS(steps, t.alrs_fit, t.alrs_lo, t.alrs_hi, t.alrs_every, t.alrs_phase, t.alrs_ramp, top=())
+    # uniform LR, except what ALRS pins: embedding and head at its top multiplier
+    hook = PinnedTop(train_cfg.alrs_hi, ALRS_SCHEDULE["alrs_ramp"]) if arm == "uniform_top" else None
     return ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM), train_cfg, hook
 
 
 def alrs_arm(arm: str, lr: float, seed: int, steps: int, dec_mult: float | None = None) -> dict:
     """One run of the ALRS study: arm is uniform, alrs (ww fit), alrs_hill (hill_median fit), alrs_unpinned
-    (embedding and head allocated like every other matrix), uniform_top (uniform LR with embedding and head at the
-    top multiplier) or decoder_boost (every decoder matrix at dec_mult x the base LR, the rest at 1x: Table 4b's
-    baseline). Cached in out/experiments/ by arm, LR and seed."""
+    (embedding and head allocated like every other matrix), alrs_blocks (embedding and head left at 1x), uniform_top
+    (uniform LR with embedding and head at the top multiplier) or decoder_boost (every decoder matrix at dec_mult x the
+    base LR, the rest at 1x: Table 4b's baseline). Cached in out/experiments/ by arm, LR and seed."""
     from minimal_asymloop import alrs
 
     out_dir = RUNS / f"alrs_study-{arm}{'' if dec_mult is None else f'{dec_mult:.3g}'}-lr{lr:.3g}-s{seed}"
@@ -137,7 +137,7 @@ def alrs_experiment(quick=False):
     old = None if quick else committed("alrs", setting_of(steps, seeds, lrs), ignore=("lr_grids", "seeds", "regenerate"))
     if old:
         runs += old["runs"]
-        lrs = {arm: tuple(grid) for arm, grid in old["setting"]["lr_grids"].items()}
+        lrs.update({arm: tuple(grid) for arm, grid in old["setting"]["lr_grids"].items()})  # a new arm keeps its grid
 
     def result(partial=False):
         best = {arm: best_lr(runs, arm, seeds, lrs[arm]) for arm in ("uniform", "alrs")}  # the sweep's LRs with every seed
@@ -189,6 +189,11 @@ def alrs_experiment(quick=False):
     state["decoder_boost_mult"] = float(f"{mean_mult:.3g}")
     for seed in seeds:
         run("decoder_boost", best0["uniform"], seed, dec_mult=state["decoder_boost_mult"])
+    # ALRS as the paper words it ("individual weight matrices in the encoder and decoder", Section 3.3): embedding and
+    # head fitted and logged but left at 1x; its own sweep, since the other arms' best LRs need not be its own
+    for lr in lrs["alrs_blocks"]:
+        for seed in seeds:
+            run("alrs_blocks", lr, seed)
     return result()
 
 
