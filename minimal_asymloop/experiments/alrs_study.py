@@ -194,6 +194,11 @@ def alrs_experiment(quick=False):
     for lr in lrs["alrs_blocks"]:
         for seed in seeds:
             run("alrs_blocks", lr, seed)
+    best, grid = best_lr(runs, "alrs_blocks", seeds, lrs["alrs_blocks"]), sorted(lrs["alrs_blocks"])
+    if not quick and best in (grid[0], grid[-1]):  # its best on the grid's edge: one more LR beyond it, every seed
+        lrs["alrs_blocks"] = tuple(sorted((*grid, best / 2 if best == grid[0] else best * 2)))
+        for seed in seeds:
+            run("alrs_blocks", best / 2 if best == grid[0] else best * 2, seed)
     return result()
 
 
