@@ -1,6 +1,8 @@
 """Notebook 05's figures and tables: weight spectra against the Marchenko–Pastur bulk, and the ALRS study read from
 notebooks/results/alrs.json (`python -m minimal_asymloop.experiments alrs`), so that its cells show the idea."""
 
+import textwrap
+
 import numpy as np
 import torch
 from matplotlib.figure import Figure
@@ -215,11 +217,11 @@ def plot_sweep(res: dict) -> Figure:
         lrs = sorted(res["setting"]["lr_grids"][arm])
         vals = [[r["val_loss"] for r in runs_of(res, arm, lr).values()] for lr in lrs]
         ax.errorbar(lrs, [np.mean(v) for v in vals], yerr=[np.std(v, ddof=1) if len(v) > 1 else 0 for v in vals],
-                    fmt="o-", color=color, capsize=4, label=f"{ARM_LABELS[arm]} (mean ± sd)")
+                    fmt="o-", color=color, capsize=4, label=f"{ARM_LABELS[arm].split(' (')[0]} (mean ± sd)")
         for lr, v in zip(lrs, vals):
             ax.plot([lr] * len(v), v, ".", color=color, alpha=0.4)
     steps = res["setting"]["steps"]
-    grid = sorted(set(res["setting"]["lr_grids"]["uniform"]) | set(res["setting"]["lr_grids"]["alrs"]))
+    grid = sorted(set().union(*res["setting"]["lr_grids"].values()))
     both = sorted(set(res["setting"]["lr_grids"]["uniform"]) & set(res["setting"]["lr_grids"]["alrs"]))
     ahead = sum(np.mean([r["val_loss"] for r in runs_of(res, "alrs", lr).values()])
                 < np.mean([r["val_loss"] for r in runs_of(res, "uniform", lr).values()]) for lr in both)
@@ -229,7 +231,7 @@ def plot_sweep(res: dict) -> Figure:
     ax.minorticks_off()
     ax.set(xlabel="base learning rate", ylabel=f"val loss after {steps} steps (nats/token)",
            title=f"ALRS's mean is below uniform LR's {verdict}\n(dots: seeds; each arm has its own sweep)")
-    ax.legend()
+    ax.legend(fontsize=9, loc="lower right")  # the sweeps' lines stay above it
     fig.tight_layout()
     return fig
 
@@ -259,7 +261,7 @@ def seed_verdict(d: np.ndarray) -> str:
 
 def plot_controls(res: dict) -> Figure:
     """Each arm minus uniform LR at its best, within seed: one dot per seed, the mean as a bar coloured by its verdict."""
-    fig = Figure(figsize=(12, 4.8))
+    fig = Figure(figsize=(13, 5.2))
     ax = fig.subplots()
     labels = []
     for i, (label, (arm, lr)) in enumerate(control_arms(res).items()):
@@ -267,7 +269,7 @@ def plot_controls(res: dict) -> Figure:
         color, meaning = VERDICTS[seed_verdict(d)]
         ax.bar(i, d.mean(), color=color, alpha=0.6, label=f"mean; {meaning}")
         ax.plot([i] * len(d), d, "ko", ms=5, label="one seed" if i == 0 else None)
-        labels.append(f"{label}\n(base LR {lr:g})".replace(", ", ",\n", 1).replace(" ALRS's mean", "\nALRS's mean"))
+        labels.append(textwrap.fill(label, 17) + f"\n(base LR {lr:g})")
     ax.axhline(0, color="k", lw=1)
     ax.set_xticks(range(len(labels)), labels, fontsize=8.5)
     ax.set(xlabel="arm (the base LR it ran at)", ylabel="val loss − uniform at its best\n(nats/token, within seed)",
