@@ -43,14 +43,15 @@ def test_alrs_study_setting_fits_two_tokens_per_param_and_tunes_every_matrix():
 def test_alrs_queue_order_edge_extension_and_controls(monkeypatch, tmp_path):
     """With a fake trainer: seed 0 sweeps both grids (one LR beyond a winning edge), the other seeds follow at the
     first seed's best, then the scaled-uniform control at base x mean multiplier, unpinned, the rest of the sweep, hill,
-    uniform LR with only embedding/head pinned at the top, and the decoder boost at ALRS's mean multiplier."""
+    uniform LR with only embedding/head pinned at the top, the decoder boost at ALRS's mean multiplier, and last the
+    paper-literal ALRS (embedding and head at 1x) over its own grid, with one LR beyond a winning edge."""
     order, mults = [], []
     monkeypatch.setattr(common, "RESULTS", tmp_path)  # no committed results to reuse
 
     def fake_arm(arm, lr, seed, steps, dec_mult=None):
         order.append((arm, lr, seed))
         mults.append(dec_mult)
-        loss = 4.0 - lr if arm == "uniform" else 4.0 + abs(lr - 2.5e-3)  # uniform: higher is better; ALRS: 2.5e-3
+        loss = 4.0 - lr if arm == "uniform" else 4.0 + lr if arm == "alrs_blocks" else 4.0 + abs(lr - 2.5e-3)  # ALRS: 2.5e-3
         return dict(arm=arm, lr=lr, seed=seed, val_loss=loss + 0.01 * seed, mean_multiplier=3.0)
 
     writes = []
@@ -65,6 +66,10 @@ def test_alrs_queue_order_edge_extension_and_controls(monkeypatch, tmp_path):
     assert res["scaled_uniform_lr"] == 7.5e-3 and order[11:14] == [("uniform", 7.5e-3, s) for s in (0, 1, 2)]
     assert order[14:17] == [("alrs_unpinned", 2.5e-3, s) for s in (0, 1, 2)]
     assert order[17:19] == [("uniform", 1e-2, 1), ("uniform", 1e-2, 2)]  # the rest of the sweep, nearest each best first
+    blocks = [("alrs_blocks", lr, s) for lr in (*ex.ALRS_LRS["alrs_blocks"], 6.25e-4) for s in (0, 1, 2)]
+    assert order[-12:] == blocks  # its own sweep; its best, 1.25e-3, is the grid's low edge: 6.25e-4 added
+    assert list(res["setting"]["lr_grids"]["alrs_blocks"]) == [6.25e-4, *ex.ALRS_LRS["alrs_blocks"]]
+    order, mults = order[:-12], mults[:-12]
     assert order[-9:-6] == [("alrs_hill", 2.5e-3, s) for s in (0, 1, 2)]
     assert order[-6:-3] == [("uniform_top", 2e-2, s) for s in (0, 1, 2)]  # at uniform's best LR
     assert order[-3:] == [("decoder_boost", 2e-2, s) for s in (0, 1, 2)] and mults[-3:] == [3.0] * 3  # x ALRS's mean
@@ -74,7 +79,7 @@ def test_alrs_queue_order_edge_extension_and_controls(monkeypatch, tmp_path):
     # the scaled-uniform control (7.5e-3) is not a sweep LR, so it never becomes uniform's best
     assert ex.best_lr([*res["runs"], *[dict(arm="uniform", lr=7.5e-3, seed=s, val_loss=0.0) for s in (0, 1, 2)]], "uniform", (0, 1, 2),
                       res["setting"]["lr_grids"]["uniform"]) == 2e-2
-    assert len(writes) == len(order) and writes[-1]["partial"] is True
+    assert len(writes) == len(order) + 12 and writes[-1]["partial"] is True
 
 
 def test_alrs_study_reuses_the_committed_runs_of_its_setting(monkeypatch, tmp_path):
