@@ -265,4 +265,6 @@ def test_depth_figures_draw_the_plateau():
     grid = chain.ChainRuns("chain_task")
     fig = chain.plot_depth(grid, ["dense_l1", "asymloop_k2"], plateau={2: 0.63, 3: 0.51})
     assert (0.51, 0.51) in [tuple(line.get_ydata()) for line in fig.axes[1].get_lines()]
-    assert "plateau (0.63)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "plateau (its value on the line)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert [[t.get_text() for t in ax.texts if t.get_text().startswith("plateau")] for ax in fig.axes[:2]] == \
+        [["plateau 0.63"], ["plateau 0.51"]]  # each panel names its own level

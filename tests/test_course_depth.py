@@ -212,5 +212,6 @@ def test_context_figure_draws_each_variant_by_its_run_name():
     text = " ".join(t.get_text() for t in fig.axes[0].texts)
     assert all(f"run: asymloop_k3{s}" in text for s in depth.CONTEXT_VARIANTS)  # the names the notebook's tables use
     assert text.count("Dec\nk=3") == 3 and "Dec\nk=4" not in text and "$z_0=0$" in text
+    assert text.count("come from $z_{k-1}+H$") == 1 and text.count("come from $z_{k-1}$ ") == 2  # additive's input adds H
     assert "Dec\nk=5" in " ".join(t.get_text() for t in depth.context_figure(n_iter=5).axes[0].texts)
     assert plt.get_fignums() == []

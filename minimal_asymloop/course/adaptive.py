@@ -342,7 +342,8 @@ def plot_exit_gaps(runs: list[dict], gaps: dict, tau: float = 0.03) -> Figure:
         fx, r = {f["k"]: f for f in run["fixed"]}, at_tau(run["adaptive"], tau)
         ys = [fx[2]["acc_by_hops"]["3"], fx[3]["acc_by_hops"]["3"], r["acc_by_hops"]["3"]]
         right.plot([0, 1], ys[:2], m + "-", color="0.3", lw=0.8, ms=7, label=f"seed {run['seed']}")
-        right.plot([2], ys[2:], m, color="C1", ms=7)  # the rule: no depth of its own, so not joined to the fixed K
+        right.plot([2], ys[2:], m, color="C1", ms=7,  # the rule: no depth of its own, so not joined to the fixed K
+                   label="the rule (orange; marker: seed)" if j == 0 else None)
     left.axhline(0, ls="--", c="0.5", lw=1)
     left.text(1.3, 0.04, "fixed K: every answer\nruns K iterations (0)", ha="right", color="0.4", fontsize=8)
     left.set(xticks=[0, 1], xticklabels=["2-hop minus 1-hop", "3-hop minus 1-hop"], xlim=(-0.5, 1.5),

@@ -89,8 +89,11 @@ class ChainRuns:
 
 
 def _plateau(ax, level, label=True):
-    """The guessing level (Dense L = 1's mean, section 1) dashed and chance (1/4: four digits) dotted."""
-    ax.axhline(level, color="0.4", ls="--", lw=1, label=f"plateau ({level:.2f})" if label else None)
+    """The guessing level (Dense L = 1's mean, section 1) dashed, its value written on it in every panel (each hop
+    count has its own), and chance (1/4: four digits) dotted."""
+    ax.axhline(level, color="0.4", ls="--", lw=1, label="plateau (its value on the line)" if label else None)
+    ax.text(0.99, level + 0.01, f"plateau {level:.2f}", transform=ax.get_yaxis_transform(), ha="right", va="bottom",
+            fontsize=7, color="0.3")
     ax.axhline(0.25, color="0.7", ls=":", lw=1, label="chance (0.25)" if label else None)
 
 

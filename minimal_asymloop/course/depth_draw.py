@@ -3,12 +3,13 @@ neither), unrolled over the decoder iterations. A bare matplotlib Figure (the ca
 
 from matplotlib.figure import Figure
 
-CONTEXT_VARIANTS = {  # run name suffix: (panel title, the recurrence, what each decoder block attends to)
+CONTEXT_VARIANTS = {  # run name suffix: (panel title, the recurrence, what each decoder block attends to, its input)
     "": ("with Global KV (joint attention)", r"$z_0=H,\ z_k=\mathrm{Dec}(z_{k-1};\,K^G,V^G)$",
-         "attends to $[K^G ; K^L]$ under one softmax"),
-    "_additive": ("additive injection", r"$z_0=0,\ z_k=\mathrm{Dec}(z_{k-1}+H)$", "attends to its own $K^L$ only"),
+         "attends to $[K^G ; K^L]$ under one softmax", "$z_{k-1}$"),
+    "_additive": ("additive injection", r"$z_0=0,\ z_k=\mathrm{Dec}(z_{k-1}+H)$", "attends to its own $K^L$ only",
+                  "$z_{k-1}+H$"),
     "_no_global": ("without Global KV (ablation)", r"$z_0=H,\ z_k=\mathrm{Dec}(z_{k-1})$",
-                   "attends to its own $K^L$ only"),
+                   "attends to its own $K^L$ only", "$z_{k-1}$"),
 }
 
 
@@ -34,7 +35,7 @@ def context_figure(n_iter: int = 3) -> Figure:
                                     fc=color + "22"))
         ax.text(x + bw / 2, y + bh / 2, text, ha="center", va="center", fontsize=size)
 
-    for i, (suffix, (title, rule, attends)) in enumerate(CONTEXT_VARIANTS.items()):
+    for i, (suffix, (title, rule, attends, source)) in enumerate(CONTEXT_VARIANTS.items()):
         ox, y = i * pw, 2.2  # panel origin; the decoder row's bottom
         xs = [ox + 1.3 + step * k for k in range(n_iter)]  # left edge of each iteration's Dec box
         mid = y + 0.25
@@ -65,8 +66,8 @@ def context_figure(n_iter: int = 3) -> Figure:
             ax.plot([ox + 0.3, ox + 0.3, xs[0]], [1.4, 3.4, 3.4], color=kv_c, lw=1.3)
             for x in xs:
                 arrow((x + w / 2, 3.15), (x + w / 2, y + 0.5), kv_c)
-        ax.text(ox + pw / 2, 0.75, f"{rule}\neach Dec block {attends};\n$Q$, $K^L$, $V^L$ come from $z_{{k-1}}$ "
-                "at every k", ha="center", va="top", fontsize=9)
+        ax.text(ox + pw / 2, 0.75, f"{rule}\neach Dec block {attends};\n$Q$, $K^L$, $V^L$ come from {source} at every k",
+                ha="center", va="top", fontsize=9)
     for i in (1, 2):
         ax.plot([i * pw - 0.05] * 2, [0.05, 4.3], color="0.8", lw=1)
     return fig
