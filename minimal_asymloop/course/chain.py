@@ -62,11 +62,8 @@ class ChainRuns:
     def parted_at(self, other: "ChainRuns", name):
         """Per seed, the first check step at which this study's run of `name` and `other`'s score the check programs
         differently (None: never, within the steps both ran)."""
-        out = []
-        for s in self.seeds:
-            a, b = ({step: acc for step, acc in r.run(name, s)["curve"]} for r in (self, other))
-            out.append(next((t for t in sorted(a.keys() & b.keys()) if a[t] != b[t]), None))
-        return out
+        curves = [[dict(r.run(name, s)["curve"]) for r in (self, other)] for s in self.seeds]  # {step: accuracy by hops}
+        return [next((t for t in sorted(a.keys() & b.keys()) if a[t] != b[t]), None) for a, b in curves]
 
     def minutes(self, names=None):
         return sum(r["seconds"] for (n, _), r in self.runs.items() if names is None or n in names) / 60
