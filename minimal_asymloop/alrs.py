@@ -23,7 +23,7 @@ import torch.nn as nn
 FITS = ("ww", "hill_median")
 EVALS_THRESH = 1e-5  # eigenvalues at or below this count as zero (weightwatcher's cut, its fit_powerlaw's `thresh`)
 MIN_EVALS = 50  # matrices with fewer eigenvalues are not tuned
-# Embedding and head always get the top multiplier, as in the reference code. (ours) Their alphas are
+# Embedding and head get the top multiplier by default, as in the reference code. (ours) Their alphas are
 # logged but kept out of the min/max: their multiplier is pinned, so they take no part in the interpolation.
 TOP_NAMES = ("embed.weight", "head.weight")
 # What ALRS does with them (--alrs-top): "pin" at the top multiplier (He et al.'s code, the default); "base", fitted

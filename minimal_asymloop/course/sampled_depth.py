@@ -283,8 +283,9 @@ def finetune_vs_fixed(result: dict, n: int, hops: str = "3") -> dict[str, dict[i
     """{sampled recipe: {seed: (its accuracy - fixed K=3's) / one standard error of that difference, at K = 1..8}} of the
     fine-tune part, on `n` answers (binomial s.e. sqrt((p(1-p) + q(1-q)) / n), at least 1/n so equal scores give 0)."""
     acc = finetune_acc(result, hops)
-    se = lambda p, q: max(((p * (1 - p) + q * (1 - q)) / n) ** 0.5, 1 / n)
-    return {r: {s: [(x - f) / se(x, f) for x, f in zip(a, acc["fixed_k3"][s])] for s, a in by.items()}
+    from minimal_asymloop.course.adaptive import se_diff
+
+    return {r: {s: [(x - f) / max(se_diff(x, f, n), 1 / n) for x, f in zip(a, acc["fixed_k3"][s])] for s, a in by.items()}
             for r, by in acc.items() if r != "fixed_k3"}
 
 

@@ -125,6 +125,11 @@ def best_lr(runs: list[dict], arm: str, seeds, grid=None) -> float | None:
     return min(full, key=full.get) if full else None
 
 
+def beyond_edge(best: float, grid) -> float | None:
+    """One base LR past the grid's edge when `best` sits on it (half the lowest, twice the highest), else None."""
+    return best / 2 if best == min(grid) else best * 2 if best == max(grid) else None
+
+
 def alrs_experiment(quick=False):
     """AsymLoop K=3, uniform LR vs ALRS: base-LR sweep for each, then controls at the best LRs, >= 3 seeds each."""
 
@@ -159,10 +164,9 @@ def alrs_experiment(quick=False):
         for lr in lrs[arm]:
             run(arm, lr, first[0])
     for arm in ("uniform", "alrs"):  # a best LR on the grid's edge: one more LR beyond it
-        best, grid = best_lr(runs, arm, first, lrs[arm]), sorted(lrs[arm])
-        if not quick and best in (grid[0], grid[-1]):
-            lrs[arm] = tuple(sorted((*grid, best / 2 if best == grid[0] else best * 2)))
-            run(arm, lrs[arm][0] if best == grid[0] else lrs[arm][-1], first[0])
+        if not quick and (extra := beyond_edge(best_lr(runs, arm, first, lrs[arm]), lrs[arm])):
+            lrs[arm] = tuple(sorted((*lrs[arm], extra)))
+            run(arm, extra, first[0])
     best0 = {arm: best_lr(runs, arm, first, lrs[arm]) for arm in ("uniform", "alrs")}
     state["best_lr_first_seed"] = best0
     for seed in seeds[1:]:
@@ -194,11 +198,10 @@ def alrs_experiment(quick=False):
     for lr in lrs["alrs_blocks"]:
         for seed in seeds:
             run("alrs_blocks", lr, seed)
-    best, grid = best_lr(runs, "alrs_blocks", seeds, lrs["alrs_blocks"]), sorted(lrs["alrs_blocks"])
-    if not quick and best in (grid[0], grid[-1]):  # its best on the grid's edge: one more LR beyond it, every seed
-        lrs["alrs_blocks"] = tuple(sorted((*grid, best / 2 if best == grid[0] else best * 2)))
+    if not quick and (extra := beyond_edge(best_lr(runs, "alrs_blocks", seeds, lrs["alrs_blocks"]), lrs["alrs_blocks"])):
+        lrs["alrs_blocks"] = tuple(sorted((*lrs["alrs_blocks"], extra)))  # its best on the edge: one more LR, every seed
         for seed in seeds:
-            run("alrs_blocks", best / 2 if best == grid[0] else best * 2, seed)
+            run("alrs_blocks", extra, seed)
     return result()
 
 
