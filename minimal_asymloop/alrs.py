@@ -27,7 +27,7 @@ MIN_EVALS = 50  # matrices with fewer eigenvalues are not tuned
 # logged but kept out of the min/max: their multiplier is pinned, so they take no part in the interpolation.
 TOP_NAMES = ("embed.weight", "head.weight")
 # What ALRS does with them (--alrs-top): "pin" at the top multiplier (He et al.'s code, the default); "base", fitted
-# and logged but left at 1x, as the paper words it ("individual weight matrices in the encoder and decoder", Section
+# and logged but left at 1x, as we read the paper's words ("individual weight matrices in the encoder and decoder", Section
 # 3.3); "fit", allocated by their alphas like every other matrix (ours, a control)
 TOP_MODES = {"pin": dict(top=TOP_NAMES), "base": dict(top=(), skip=TOP_NAMES), "fit": dict(top=())}
 GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN", "global KV",

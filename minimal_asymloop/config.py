@@ -71,7 +71,7 @@ class TrainConfig:
     alrs_every: int = 100  # steps between allocations
     alrs_phase: float = 0.2  # allocate while step <= phase * total steps, then freeze
     alrs_ramp: int = 50  # steps of linear transition to each new allocation
-    alrs_top: str = "pin"  # embedding and head: pin (top multiplier: He et al.'s code) | base (1x: the paper's words) | fit (by alpha)
+    alrs_top: str = "pin"  # embedding and head: pin (top multiplier: He et al.'s code) | base (1x: our reading of 3.3) | fit (by alpha)
     dec_lr_mult: float | None = None  # Table 4b's baseline instead of ALRS: one LR multiplier for all decoder matrices; None -> off
     # (ours) train once, run at any depth: K drawn per optimizer step, after Huginn (depth.py); fixed is the paper
     depth_sampler: str = "fixed"  # K per step: fixed (the model's n_iter) | uniform (depth_min..depth_max) | lognormal_poisson (Huginn's)

@@ -1,4 +1,4 @@
-"""Notebook 05's figures and tables (minimal_asymloop.course.alrs): the Marchenko–Pastur bulk, and the ALRS study's
+"""Notebook 06's figures and tables (minimal_asymloop.course.alrs): the Marchenko–Pastur bulk, and the ALRS study's
 numbers as notebooks/results/alrs.json holds them."""
 
 import json
@@ -82,7 +82,7 @@ def test_pipeline_figure_and_each_arms_setup(tmp_path):
     fig = C.pipeline_figure()
     assert "ALRS" in fig.axes[0].get_title() and any("TOP_NAMES" in t.get_text() for t in fig.axes[0].texts)
 
-    def setup(arm, **kw):  # notebook 05's live runs and the study build each arm with experiments.arm_setup
+    def setup(arm, **kw):  # notebook 06's live runs and the study build each arm with experiments.arm_setup
         return ex.arm_setup(arm, 2.5e-3, 0, 250, tmp_path, 2.4 if arm == "decoder_boost" else None, **kw)
 
     assert setup("uniform")[2] is None and not setup("uniform")[1].alrs

@@ -83,7 +83,7 @@ def test_figures_build_and_count_converged_seeds():
     assert isinstance(tour.architectures_figure(), Figure)
     res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995], [500, 750, None, None, 1000])
     again = [(1.0, 5000, True)] * 4 + [(0.5, 6000, False)]  # a later version's K = 3 runs: counted apart
-    fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "K=3 again": again})
+    fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "asymloop_k3 again": again})
     title = fig._suptitle.get_text()  # two lines: the converged counts, then the key
     assert title.startswith("Converged seeds, AsymLoop K = 3: 3/5 within 1,000 steps (left), 5/5 within 6,000 "
                             "(chain_task), 4/5 on chain_context. K = 1: 0/5 and 0/5, the same budgets\n"), title
@@ -201,7 +201,7 @@ def test_figures_take_reference_lines_and_the_rerun_seeds():
     assert zoomed.get_title() == "zoomed" and not any(
         w in t.get_text() for t in zoomed.get_legend().get_texts() for w in ("chance", "rule"))
     res = _fake_result([0.5] * 5, [0.5] * 5, [None] * 5)
-    fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "K=3 again": [(1.0, 5000, True)] * 5})
+    fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "asymloop_k3 again": [(1.0, 5000, True)] * 5})
     assert [t.get_text() for t in fig.axes[1].get_xticklabels()][-1].startswith("AsymLoop K = 3\nagain")
 
 

@@ -1,4 +1,4 @@
-"""Notebook 05's figures and tables: weight spectra against the Marchenko–Pastur bulk, and the ALRS study read from
+"""Notebook 06's figures and tables: weight spectra against the Marchenko–Pastur bulk, and the ALRS study read from
 notebooks/results/alrs.json (`python -m minimal_asymloop.experiments alrs`), so that its cells show the idea."""
 
 import textwrap
@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
 ARM_LABELS = {"uniform": "uniform LR", "alrs": "ALRS", "alrs_unpinned": "ALRS, embedding/head not pinned",
-              "alrs_blocks": "ALRS, embedding/head at 1× (the paper's words)",
+              "alrs_blocks": "ALRS, embedding/head at 1× (our reading of the paper)",
               "alrs_hill": "ALRS, hill_median fit", "uniform_top": "uniform, embedding/head at 5× only",
               "scaled": "uniform × ALRS's mean multiplier", "decoder_boost": "decoder LR boost (Table 4b)"}
 SRANK_GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN")
@@ -373,8 +373,8 @@ def plot_allocation(run: dict, ramp: int, last_step: int) -> Figure:
     return fig
 
 
-# The reader's build steps (section 1 and 2 of notebook 05): the references `course.build.yours_or_reference` falls
-# back on; notebooks/solutions/05_solutions.ipynb works the same lines.
+# The reader's build steps (section 1 and 2 of notebook 06): the references `course.build.yours_or_reference` falls
+# back on; notebooks/solutions/06_solutions.ipynb works the same lines.
 def ref_mp_edges(sigma2: float, n: int, m: int) -> tuple[float, float]:
     """The Marchenko–Pastur bulk [λ−, λ+] of WᵀW for W (n × m) with i.i.d. entries of variance σ²."""
     return sigma2 * (n ** 0.5 - m ** 0.5) ** 2, sigma2 * (n ** 0.5 + m ** 0.5) ** 2

@@ -128,6 +128,7 @@ def plot_depth(grid: ChainRuns, names, plateau: dict | None = None) -> Figure:
             _plateau(ax, plateau[h], label=h == 2)
         ax.set(title=f"{h}-hop statements", xlabel="effective depth (blocks per token)",
                ylabel="accuracy, check programs", ylim=(0, 1.05))
+    axes[0].scatter([], [], s=40, facecolor="white", edgecolor="0.3", lw=1.3, label="hollow: seed not converged")
     axes[0].legend(fontsize=8, loc="lower right")
     axes[2].axhline(max_steps, color="0.6", ls=":", lw=1)
     axes[2].set(title="steps to converge (filled: solved seeds)\nhollow above the cap: failed, with their count",
@@ -418,7 +419,7 @@ def plot_fresh_k(fresh: dict, plateau: dict) -> Figure:
                xlabel="iterations K at test time (trained: K = 3)")
     axes[0].set_ylabel("accuracy, 1,024 fresh programs")
     handles = dict(zip(*axes[0].get_legend_handles_labels()[::-1]))
-    axes[1].legend(handles.values(), handles, fontsize=8, loc="center right")
+    axes[1].legend(handles.values(), handles, fontsize=8, loc="lower right")
     k1 = [a[3] for (n, s, k), a in fresh.items() if k == 1]
     fig.suptitle(f"Run at K = 1, every opened model keeps its 2-hop statements and gets {min(k1):.2f}-{max(k1):.2f} of "
                  "the 3-hop ones;\nat K = 2 it gets them all back: two lookups take two iterations, with or without Local KV",

@@ -5,7 +5,7 @@
     fig_frontier(result)    # one seed's exit rule per recipe against the fixed_k3 model's fixed-K frontier
     vs_fixed_frontier(result)  # per recipe and seed: the best threshold minus the fixed-K frontier at equal FLOPs
     within_seed(result)     # each sampled recipe minus fixed K=3 at every test-time K, per seed
-    train_more(model, samplers, steps, batch)  # notebook 04's live run: a trained chain model given more steps per sampler
+    train_more(model, samplers, steps, batch)  # notebook 05's live run: a trained chain model given more steps per sampler
     finetune_acc(result)    # the same, precomputed for every recipe and committed model: {recipe: {seed: accuracy by K}}
     fig_finetune(result)    # those runs' accuracy against test-time K, one curve per recipe
 """
@@ -91,7 +91,8 @@ def fig_frontier(result: dict, task: str = "lm", seed: int | None = None, title:
     fix = np.array(sorted((r["flops_per_token"] / unit, r["ce"]) for r in base["fixed"]))
     ax.plot(*fix.T, "x", c="k", label=f"fixed_k3 model, seed {seed}, run at fixed K = 1..{len(fix)}")
     ax.plot(fix[:, 0], np.minimum.accumulate(fix[:, 1]), "--", c="k", alpha=0.6,
-            label="its fixed-K frontier (linear between two fixed K: a per-\nsequence mix of them); every exit rule is measured against it")
+            label="its fixed-K frontier: the lowest loss of any fixed K at no more FLOPs (joined\n"
+                  "linearly: a per-sequence mix of two fixed K); every exit rule is measured against it")
     points, taus = [tuple(p) for p in fix], []
     for recipe, run in pick.items():
         ada = [a for a in run["sweep"]["adaptive"] if a["tau"] > 0]  # tau = 0 is fixed K = 8
@@ -232,9 +233,11 @@ class _Recorded:
         return self.ks[-1]
 
 
-def train_more(model, samplers: dict, steps: int, batch, lr: float = 3e-3, seed: int = 0) -> dict[str, dict]:
+def train_more(model, samplers: dict, steps: int, batch, lr: float = 3e-3, seed: int = 0,
+               backprop_depth: int | None = None) -> dict[str, dict]:
     """For each {name: depth.DepthSampler}: a copy of the trained chain `model` given `steps` more steps of the chain
-    task (the same programs in the same order for every sampler), then scored at test-time K = 1..8.
+    task (the same programs in the same order for every sampler), then scored at test-time K = 1..8; backprop_depth:
+    truncated backprop through the last n iterations of each step (None: all of them).
     Returns {name: {"acc": 3-hop accuracy by K, "drawn": {K: steps}, "cpu_s": CPU seconds}}, "before" first."""
     import copy
     import time
@@ -252,7 +255,7 @@ def train_more(model, samplers: dict, steps: int, batch, lr: float = 3e-3, seed:
     try:
         for name, depth in samplers.items():
             m, rec, t0 = copy.deepcopy(model), _Recorded(depth), time.process_time()
-            train_on_task(m, ChainTask(**CHAIN_TASK), steps=steps, lr=lr, seed=seed, depth=rec)
+            train_on_task(m, ChainTask(**CHAIN_TASK), steps=steps, lr=lr, seed=seed, depth=rec, backprop_depth=backprop_depth)
             out[name] = dict(acc=accuracy_by_k(m.eval(), batch), drawn=dict(sorted(Counter(rec.ks).items())),
                              cpu_s=time.process_time() - t0)
     finally:
@@ -267,11 +270,11 @@ def finetune_acc(result: dict, hops: str = "3") -> dict[str, dict[int, list[floa
             for recipe, rs in runs_of(result, "finetune").items()}
 
 
-ARM_RECIPES = {"fixed K=3": "fixed_k3", "K drawn per step": "lognormal_k3"}  # notebook 04's live arms, by recipe
+ARM_RECIPES = {"fixed K=3": "fixed_k3", "K drawn per step": "lognormal_k3"}  # notebook 05's live arms, by recipe
 
 
 def live_vs_stored(live: dict, result: dict, seed: int, steps: int) -> float | None:
-    """The largest |live - precomputed| 3-hop accuracy over K and notebook 04's two arms, or None where the fine-tune
+    """The largest |live - precomputed| 3-hop accuracy over K and notebook 05's two arms, or None where the fine-tune
     part has no run of this seed and step count."""
     stored = finetune_acc(result)
     if steps != result["setting"]["finetune"]["steps"] or seed not in stored["fixed_k3"]:
@@ -334,7 +337,7 @@ def fig_live(curves: dict, steps: int, title: str = "3-hop accuracy by test-time
 
 
 def lm_report(result: dict) -> str:
-    """The per-seed numbers behind notebook 04's section 6 figures, as text (its appendix): LM loss at K = 8 minus K = 3
+    """The per-seed numbers behind notebook 05's section 6 figures, as text (its appendix): LM loss at K = 8 minus K = 3
     and at the best K, the sampled runs below fixed K = 3 at some K, and each recipe's closest threshold to the frontier."""
     ce = {r: [[a["ce"] for a in x["sweep"]["fixed"]] for x in rs] for r, rs in runs_of(result, "lm").items()}
     lines = [f"LM {r:>12}: CE at K=8 minus K=3 " + ", ".join(f"{c[7] - c[2]:+.3f}" for c in v)

@@ -13,7 +13,7 @@ Every arm runs at seeds 0, 1, 2, compared within a seed (same init seed, same da
 
 chain_task trains small models on a synthetic task that needs depth (tasks.ChainTask) until converged or a step limit, and
 chain_context compares context access on it at matched depth; depth_demo is notebook 00's K = 1 against K = 3 on
-that task at a short budget; alrs is the ALRS study of notebook 05; sampled_depth compares fixed K = 3 with sampled K
+that task at a short budget; alrs is the ALRS study of notebook 06; sampled_depth compares fixed K = 3 with sampled K
 (--depth-sampler) on the tiny LM and the chain task; each has a setting of its own. One module per family: lm.py
 (matched_depth, global_kv), chain.py (chain_task, chain_context), depth_demo.py, alrs_study.py (alrs), sampled_depth.py,
 common.py (run settings, reuse of finished and committed runs).

@@ -1,7 +1,7 @@
-"""The ALRS study of notebook 05, fairly: a base-LR sweep for uniform LR and for ALRS, then controls at the best LRs
+"""The ALRS study of notebook 06, fairly: a base-LR sweep for uniform LR and for ALRS, then controls at the best LRs
 (the uniform LR scaled by ALRS's mean multiplier, embedding/head unpinned, the hill_median fit, uniform LR with
 only embedding and head at ALRS's top multiplier, and the paper's Table 4b decoder LR boost), at >= 3 seeds each; and
-ALRS as the paper words it (encoder and decoder matrices only, embedding and head at 1x), with its own sweep.
+ALRS as we read the paper's words (encoder and decoder matrices only, embedding and head at 1x), with its own sweep.
 """
 
 import time
@@ -68,7 +68,7 @@ ARMS = ("uniform", "alrs", "alrs_hill", "alrs_unpinned", "alrs_blocks", "uniform
 
 def arm_setup(arm: str, lr: float, seed: int, steps: int, out_dir, dec_mult: float | None = None, **train):
     """(ModelConfig, TrainConfig, lr_hook) of one arm of the study at base LR `lr` and `seed`, `steps` long, writing
-    to `out_dir`; `train` overrides TrainConfig fields (notebook 05's live runs: stop_step, device). The lr_hook is None
+    to `out_dir`; `train` overrides TrainConfig fields (notebook 06's live runs: stop_step, device). The lr_hook is None
     for the arms the trainer builds itself (uniform, every ALRS arm through alrs_fit and alrs_top, decoder_boost through
     dec_lr_mult); uniform_top's is PinnedTop."""
     if arm not in ARMS:
@@ -193,7 +193,7 @@ def alrs_experiment(quick=False):
     state["decoder_boost_mult"] = float(f"{mean_mult:.3g}")
     for seed in seeds:
         run("decoder_boost", best0["uniform"], seed, dec_mult=state["decoder_boost_mult"])
-    # ALRS as the paper words it ("individual weight matrices in the encoder and decoder", Section 3.3): embedding and
+    # ALRS as we read the paper's words ("individual weight matrices in the encoder and decoder", Section 3.3): embedding and
     # head fitted and logged but left at 1x; its own sweep, since the other arms' best LRs need not be its own
     for lr in lrs["alrs_blocks"]:
         for seed in seeds:

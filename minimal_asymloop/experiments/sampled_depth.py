@@ -5,7 +5,7 @@ exit rule (adaptive.sweep). Within-seed comparison: the same init seed and the s
 
 A third part starts from trained models instead of from scratch: each committed chain model (trained at fixed K = 3
 to convergence, notebooks/results/chain_weights/asymloop_k3-s<seed>) gets FINETUNE_STEPS more steps with each recipe,
-the same programs in the same order for every recipe (notebook 04's live cell, at more steps and every recipe).
+the same programs in the same order for every recipe (notebook 05's live cell, at more steps and every recipe).
 
 Each run is cached in out/experiments/sampled_depth/<task>-<recipe>-s<seed>.json (LM runs also keep their out_dir),
 so an interrupted command continues where it stopped; --cached-only writes the JSON from finished runs and lists the rest.
