@@ -173,3 +173,9 @@ def test_alpha_noise_figure_and_control_summary():
     assert len(lines) == len(arms) and ("decoder_boost_mult" in RES) == any("Table 4b" in label for label in arms)
     d = C.within_seed(RES, *arms[C.ARM_LABELS["alrs"]])
     assert f"{d.mean():+.3f}" in lines[0] and f"lower in {(d < 0).sum()}/{len(d)}" in lines[0]
+
+
+def test_spike_is_the_highest_training_loss_after_the_first_steps():
+    history = [dict(step=s, loss=v) for s, v in ((1, 9.0), (5, 8.0), (6, 5.0), (14, 6.9), (30, 8.6), (40, 4.0))] + [dict(step=50)]
+    assert C.spike(history) == (30, 8.6)
+    assert C.spike(history, after=30) == (40, 4.0)

@@ -58,6 +58,10 @@ def test_variant_figure_draws_each_seed_and_the_zero_line(runs):
     g5 = runs.loss("asymloop_k5_no_global") - runs.loss("asymloop_k5")
     assert sorted(d.get_ydata()[-1] for d in dots) == pytest.approx(sorted(g5))
     assert ("every seed" in fig._suptitle.get_text()) and "unlike Table 7" in fig._suptitle.get_text()
+    paper = {ax.get_title().splitlines()[0]: next(t.get_text() for t in ax.get_legend().get_texts() if t.get_text().startswith("paper"))
+             for ax in fig.axes}  # Table 4's caption states 60M; Tables 6 and 7 give no size
+    assert [("Table 4a" in t, "inferred" in t) for t in paper.values()].count((True, True)) == 0
+    assert any("inferred" in t for t in paper.values()) and any("Table 4a; 60M," in t for t in paper.values())
 
 
 def test_matched_table_gives_like_for_like_paper_values_only(runs, capsys):

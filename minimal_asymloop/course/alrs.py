@@ -209,7 +209,7 @@ def plot_esd(spectra: dict, name: str, shape: tuple[int, int], tags: dict[str, s
 
 def plot_sweep(res: dict) -> Figure:
     """Final val loss against the base LR for each arm: mean ± sd over seeds, one dot per seed."""
-    fig = Figure(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 5))
     ax = fig.subplots()
     for arm, color in (("uniform", "C0"), ("alrs", "C3"), ("alrs_blocks", "C2")):
         if arm not in res["setting"]["lr_grids"]:
@@ -231,7 +231,7 @@ def plot_sweep(res: dict) -> Figure:
     ax.minorticks_off()
     ax.set(xlabel="base learning rate", ylabel=f"val loss after {steps} steps (nats/token)",
            title=f"ALRS's mean is below uniform LR's {verdict}\n(dots: seeds; each arm has its own sweep)")
-    ax.legend(fontsize=9, loc="lower right")  # the sweeps' lines stay above it
+    ax.legend(fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below the axes, covering no dot
     fig.tight_layout()
     return fig
 
@@ -316,13 +316,19 @@ def replay_gaps(history: list[dict], stored: dict) -> dict[int, float]:
     return {s: abs(live[s] - v) for s, v in stored["train_loss"] if s <= max(live)}
 
 
+def spike(history: list[dict], after: int = 5) -> tuple[int, float]:
+    """(step, loss) of a run's highest training loss after step `after` (the first steps start near ln V)."""
+    return max(((s, v) for s, v in train_losses(history).items() if s > after), key=lambda x: x[1])
+
+
 def plot_live(live: dict[str, list[dict]], stored: dict[str, dict | None], lr: float) -> Figure:
     """The live runs' training loss (lines) over the study's logged losses of the same runs (circles)."""
     fig = Figure(figsize=(10, 4.2))
     ax = fig.subplots()
     for j, (arm, history) in enumerate(live.items()):
         loss = train_losses(history)
-        ax.plot(list(loss), list(loss.values()), color=f"C{j}", lw=1.5, label=f"{ARM_LABELS[arm]}, live")
+        ax.plot(list(loss), list(loss.values()), color=f"C{j}", lw=1.5, ls=("-", "--", "-.", ":")[j % 4],
+                label=f"{ARM_LABELS[arm]}, live")
         if stored.get(arm):
             st = [(s, v) for s, v in stored[arm]["train_loss"] if s <= max(loss)]
             ax.plot(*zip(*st), "o", mfc="none", color=f"C{j}", ms=7, label=f"{ARM_LABELS[arm]}, the study's run")

@@ -286,9 +286,10 @@ def plot_variants(runs: LMRuns, ks=(1, 3, 5)) -> Figure:
             ax.plot(ks, d[:, i], "o", color="tab:blue", alpha=0.6, ms=7, label="ours, each seed" if i == 0 else None)
         ax.plot(ks, d.mean(1), "D-", color="tab:blue", ms=8, label=f"ours, mean ({runs.tpp:.1f} tokens/param)")
         paper = [(k, p) for k in ks if (p := paper_variant(v, k)) is not None]
+        tables = sorted({p[1] for _, p in paper})  # Table 4's caption states 60M; Tables 6 and 7 give no size
         ax.plot([k for k, _ in paper], [p[0] for _, p in paper], "ks--", ms=7,
-                label="paper (" + ", ".join(sorted({p[1] for _, p in paper}))
-                + f"; 60M inferred, {paper_tokens_per_param():.1f} tokens/param)")
+                label="paper (" + ", ".join(tables) + ("; 60M" if all(t.startswith("Table 4") for t in tables) else "; 60M inferred")
+                + f", {paper_tokens_per_param():.1f} tokens/param)")
         ax.axhline(0, color="0.4", lw=1, label="AsymLoop with Global KV")
         behind = int((d > 0).sum())
         verdict[v] = int((d[1:] > 0).sum())  # K > 1: at K = 1 two variants are Dense

@@ -56,7 +56,7 @@ def fig_sampler(samples: list[int], mean: float = 3.0, cap: int = 8) -> Figure:
     for j, (name, p) in enumerate(pmfs.items()):
         ax.bar([k + (j - 1) * 0.27 for k in ks], [p.get(k, 0) for k in ks], width=0.27, label=name, alpha=0.85)
     ax.plot(list(ks), [samples.count(k) / len(samples) for k in ks], "k_", ms=22, mew=2,
-            label=f"your {len(samples):,} draws (share per K)")
+            label=f"my_draw's {len(samples):,} draws (share per K)")
     ax.set(xlabel="K drawn for one optimizer step", ylabel="probability", xticks=list(ks),
            title="Three ways to draw K, each with mean 3")
     ax.legend(fontsize=8, frameon=False)
@@ -157,8 +157,8 @@ def fig_backprop_depth(m: dict, K: int, fixed3_bytes: int) -> Figure:
     a.plot(m["n"], [x / 2**20 for x in m["peak_bytes"]], "o-")
     a.axhline(fixed3_bytes / 2**20, ls="--", c="0.5")
     a.text(1, fixed3_bytes / 2**20, " fixed K = 3, full backprop", va="bottom", fontsize=8, color="0.35")
-    a.set(xlabel=f"n: iterations with a graph (of K = {K})", ylabel="peak new memory in one step (MiB)",
-          title=f"Memory follows n: K = {K} at n = 3 needs about what K = 3 needs", xticks=m["n"])
+    a.set(xlabel=f"n: iterations with a graph (of K = {K})", ylabel="peak step memory (MiB)",
+          title=f"K = {K}: every iteration with a graph adds memory", xticks=m["n"])
     b.plot(m["n"], m["cosine"], "o-", c="C2")
     b.set(xlabel=f"n: iterations with a graph (of K = {K})", ylabel=f"cosine to the full gradient at K = {K}",
           title="The truncated gradient points elsewhere", xticks=m["n"])
