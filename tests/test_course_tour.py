@@ -123,11 +123,11 @@ def test_notebook_00s_build_check_passes_the_reference_and_fails_both_wrong_vers
     assert not build.passes(check, lambda m, idx, K: tour.my_states(m, idx, 1) * K)  # no loop: z_1 repeated
 
 
-def test_seeds_summary_names_the_converged_seeds():
+def test_seeds_summary_names_the_converged_seeds_and_their_steps():
     res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995], [500, 750, None, None, 1000])
     lines = tour.seeds_summary(res, {"x": [(0.5, 6000, False), (1.0, 750, True)]}).splitlines()
-    assert lines[1].endswith("0.99 1.00 0.97 0.52 0.99 | converged 3/5: seed 0, 1, 4"), lines
-    assert lines[2].endswith("0.50 1.00 | converged 1/2: seed 1") and lines[0].endswith("converged 0/5"), lines
+    assert lines[1].endswith("0.99 1.00 0.97 0.52 0.99 | converged 3/5: seed (step) 0 (500), 1 (750), 4 (1,000)"), lines
+    assert lines[2].endswith("0.50 1.00 | converged 1/2: seed (step) 1 (750)") and lines[0].endswith("converged 0/5"), lines
 
 
 def test_same_run_tells_the_stored_run_of_its_seed_from_another():

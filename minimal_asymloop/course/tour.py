@@ -248,20 +248,17 @@ def seeds_summary(demo: dict, arms: dict) -> str:
             for k, s in demo_steps(demo).items()}
     lines = []
     for label, runs in {**rows, **arms}.items():
-        won = [str(i) for i, (_, _, c) in enumerate(runs) if c]
+        won = [f"{i} ({s:,})" for i, (_, s, c) in enumerate(runs) if c]
         lines.append(f"{label:<18} 3 hops at the end " + " ".join(f"{a:.2f}" for a, _, _ in runs)
-                     + f" | converged {len(won)}/{len(runs)}" + (f": seed {', '.join(won)}" if won else ""))
+                     + f" | converged {len(won)}/{len(runs)}" + (f": seed (step) {', '.join(won)}" if won else ""))
     return "\n".join(lines)
 
 
 def _dots(ax, x, accs, steps, color):
-    """One dot per seed at x (filled: converged), its steps to converge printed beside it."""
+    """One dot per seed at x, in seed order left to right (filled: converged; seeds_summary prints the steps)."""
     for j, (a, s) in enumerate(zip(accs, steps)):
         xj = x + 0.11 * (j - (len(accs) - 1) / 2)
         ax.scatter([xj], [a], s=40, zorder=2, color=color if s else "white", edgecolor=color, lw=1.5)
-        if s:
-            ax.annotate(f"{s:,}", (xj, a), (0, -12 - 8 * j), textcoords="offset points", fontsize=7, color=color,
-                        ha="center")  # one height per seed: labels of neighbouring seeds never overlap
 
 
 def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookFigure:
@@ -309,7 +306,7 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
         line += f". K = 1: {n1}/{len(steps[1])} and {won['asymloop_k1']}, the same budgets"
     else:
         line += f". K = 1: {n1}/{len(steps[1])}"
-    fig.suptitle(f"{line}\n(one dot per seed; filled: converged, every hop count ≥ {CONVERGED}, with its steps to converge)",
+    fig.suptitle(f"{line}\n(one dot per seed, 0-4 left to right; filled: converged, every hop count ≥ {CONVERGED}; steps printed below)",
                  fontsize=11)
     fig.tight_layout()
     return fig
