@@ -118,7 +118,7 @@ def plt_purples(n: int) -> list:
 
 def decoder_look_figure(shares: dict, acc: dict, chance: float):
     """Notebook 01, section 5, per init: left, the Global share of the mass at init and after training (bar: the mean;
-    dots: the K x D (k, layer) cells); right, accuracy with nothing, the Global half or the Local half masked."""
+    dots: the K x D (k, layer) cells, side by side); right, accuracy with nothing, the Global half or the Local half masked."""
     fig = NotebookFigure(figsize=(10, 3.4), layout="constrained")
     ax, bx = fig.subplots(1, 2)
     for i, pair in enumerate(shares.values()):
@@ -126,7 +126,8 @@ def decoder_look_figure(shares: dict, acc: dict, chance: float):
             x = 3 * i + j
             ax.bar(x, s.mean().item(), color=COLORS["global_kv"] if j else GREY, width=0.8,
                    label=("at init", "trained")[j] if i == 0 else None)
-            ax.scatter([x] * s.numel(), s.flatten().tolist(), color="black", s=12, zorder=3,
+            spread = [x + 0.5 * (c / max(s.numel() - 1, 1) - 0.5) for c in range(s.numel())]  # side by side, (k, layer) order
+            ax.scatter(spread, s.flatten().tolist(), color="black", s=12, zorder=3,
                        label="one (k, layer) cell" if i == j == 0 else None)
     ax.axhline(0.5, color=COLORS["head"], ls=":", lw=1)
     ax.set_xticks([3 * i + 0.5 for i in range(len(shares))], [f"{init} init" for init in shares])
