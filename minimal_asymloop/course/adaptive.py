@@ -354,7 +354,7 @@ def plot_exit_gaps(runs: list[dict], gaps: dict, tau: float = 0.03) -> Figure:
     right.legend(fontsize=8, loc="lower right")
     for ax in (left, right):
         ax.grid(alpha=0.3)
-    fig.suptitle("3-hop answers run over one iteration longer than 1-hop ones in every seed; K = 2 nearly suffices")
+    fig.suptitle("3-hop answers run over one iteration longer than 1-hop ones in every seed")
     fig.tight_layout()
     return fig
 
