@@ -83,8 +83,11 @@ def test_train_more_scores_before_and_after_and_records_the_drawn_k():
     assert [round(a, 3) for a in out["before"]["acc"][:6]] == [round(r["acc_by_hops"]["3"], 3) for r in seed1["fixed"]]
     assert out["fixed"]["drawn"] == {3: 2} and sum(out["uniform"]["drawn"].values()) == 2
     assert set(out["uniform"]["drawn"]) <= {1, 2, 3, 4, 5} and out["uniform"]["acc"] != out["before"]["acc"]
+    assert (out["before"]["kind"], out["fixed"]["kind"], out["uniform"]["kind"]) == (None, "fixed", "uniform")
     fig = SD.fig_live(out, 2)
     assert fig.axes[0].get_title() and fig.axes[0].get_xlabel() and len(fig.axes[0].get_legend().get_texts()) == 3
+    colours = [line.get_color() for line in fig.axes[0].get_lines()[:3]]  # each arm in its sampler's colour
+    assert colours[1:] == [SD.KIND_COLORS["fixed"], SD.KIND_COLORS["uniform"]]
 
 
 def test_finetune_part_starts_converged_and_the_lm_axis_is_clipped():
@@ -110,18 +113,27 @@ def test_finetune_part_starts_converged_and_the_lm_axis_is_clipped():
 
 
 def test_vs_fixed_frontier_measures_the_gap_at_equal_flops():
-    """A threshold's loss minus the fixed-K frontier interpolated at its counted FLOPs: on the stored runs every gap is
-    positive; a synthetic threshold below the frontier gives a negative gap of the right size."""
+    """A threshold's loss minus a fixed-K frontier interpolated at its counted FLOPs: fixed_k3's frontier for every
+    recipe, or (own=True) the recipe's own model's. On the stored runs every gap of both kinds is positive, and
+    fixed_k3's two are the same; a synthetic threshold below the frontier gives a negative gap of the right size, and
+    a worse model measured against its own frontier gives the gap to its own, not fixed_k3's."""
     from minimal_asymloop.course import sampled_depth as SD
 
     sd = json.loads((RESULTS / "sampled_depth.json").read_text())
-    assert all(b["gap"] > 0 for rows in SD.vs_fixed_frontier(sd).values() for b in rows)
+    base, own = SD.vs_fixed_frontier(sd), SD.vs_fixed_frontier(sd, own=True)
+    assert all(b["gap"] > 0 for gaps in (base, own) for rows in gaps.values() for b in rows)
+    assert own["fixed_k3"] == base["fixed_k3"] and own["lognormal_k3"] != base["lognormal_k3"]
     fixed = [dict(k=k, flops_per_token=100.0 * k, ce=c) for k, c in zip((1, 2, 3, 4), (5.0, 4.0, 3.0, 3.5))]
     ada = [dict(tau=0.1, flops_per_token=250.0, ce=3.45), dict(tau=0.01, flops_per_token=350.0, ce=2.9)]
-    toy = {"runs": [dict(task="lm", recipe="fixed_k3", seed=0, sweep=dict(fixed=fixed, adaptive=ada))]}
+    worse = [dict(f, ce=f["ce"] + 1.0) for f in fixed]  # a model 1 nat worse at every K; its rule 0.2 above its K=3
+    toy = {"runs": [dict(task="lm", recipe="fixed_k3", seed=0, sweep=dict(fixed=fixed, adaptive=ada)),
+                    dict(task="lm", recipe="uniform_k1_5", seed=0,
+                         sweep=dict(fixed=worse, adaptive=[dict(tau=0.1, flops_per_token=300.0, ce=4.2)]))]}
     best = SD.vs_fixed_frontier(toy)["fixed_k3"][0]
     assert best["tau"] == 0.01 and abs(best["gap"] - (2.9 - 3.0)) < 1e-9  # past K=3 the frontier stays at K=3's 3.0
     assert abs(SD.vs_fixed_frontier(toy)["fixed_k3"][0]["flops_vs_k3"] - 350 / 300) < 1e-9
+    assert abs(SD.vs_fixed_frontier(toy)["uniform_k1_5"][0]["gap"] - 1.2) < 1e-9  # against fixed_k3's 3.0
+    assert abs(SD.vs_fixed_frontier(toy, own=True)["uniform_k1_5"][0]["gap"] - 0.2) < 1e-9  # against its own 4.0
 
 
 def test_exit_mechanism_draws_each_token_stopping_at_its_own_iteration():
@@ -158,9 +170,13 @@ def test_frontier_figure_draws_one_seeds_own_points_and_labels_that_do_not_overl
         assert np.allclose(dashed.get_ydata(), np.minimum.accumulate(fixed_ce))
         curves = [line for line in ax.get_lines() if line.get_linestyle() == "-"]
         assert len(curves) == len(runs) == 3
-        for line, run in zip(curves, runs.values()):
+        for line, (recipe, run) in zip(curves, runs.items()):
             assert np.allclose(line.get_ydata(), [a["ce"] for a in run["sweep"]["adaptive"] if a["tau"] > 0])
-            assert f"seed {seed}" in line.get_label()
+            assert f"seed {seed}" in line.get_label() and line.get_color() == SD.COLORS[recipe]
+        dotted = [line for line in ax.get_lines() if line.get_linestyle() == ":"]  # each sampled model's own frontier
+        assert [line.get_color() for line in dotted] == [SD.COLORS["lognormal_k3"], SD.COLORS["uniform_k1_5"]]
+        for line, recipe in zip(dotted, ("lognormal_k3", "uniform_k1_5")):
+            assert np.allclose(line.get_ydata(), np.minimum.accumulate([x["ce"] for x in runs[recipe]["sweep"]["fixed"]]))
         labels = [t for t in ax.texts if t.get_text().startswith("τ=")]
         assert not any("τ=0," in t.get_text() or t.get_text() == "τ=0" for t in labels)
         assert any("," in t.get_text() for t in labels) and not any(t.crowded for t in ax.texts)
@@ -271,5 +287,6 @@ def test_lm_report_lists_every_recipe_and_the_sampled_runs_ahead_somewhere():
 
     sd = json.loads((RESULTS / "sampled_depth.json").read_text())
     text = SD.lm_report(sd)
-    assert text.count("closest threshold") == 3 and text.count("CE at K=8 minus K=3") == 3
+    assert text.count("closest threshold to fixed_k3's frontier") == text.count("closest threshold to its own") == 3
+    assert text.count("CE at K=8 minus K=3") == 3
     assert text.count("below fixed_k3") == sum(min(r) < 0 for d in SD.within_seed(sd).values() for r in d["diff"])

@@ -55,7 +55,14 @@ def test_memory_follows_n_and_the_truncated_gradient_is_another_direction(chain)
 
 def test_figures_build_with_titles_and_labels(chain):
     model, idx, targets = chain
+    from matplotlib.colors import to_hex
+
+    from minimal_asymloop.course.sampled_depth import KIND_COLORS
+
     fig = B.fig_sampler(B.draws(B.draw, n=200))
     assert fig.axes[0].get_title() and fig.axes[0].get_xlabel()
+    bars = [c for c in fig.axes[0].containers]  # fixed, uniform, log-normal: each in its colour of notebook 05's figures
+    assert [to_hex(b[0].get_facecolor(), keep_alpha=False) for b in bars] == [
+        to_hex(KIND_COLORS[k]) for k in ("fixed", "uniform", "lognormal_poisson")]
     m = dict(n=[1, 2], peak_bytes=[1 << 20, 2 << 20], cosine=[0.3, 1.0])
     assert all(ax.get_title() and ax.get_ylabel() for ax in B.fig_backprop_depth(m, 2, 1 << 20).axes)

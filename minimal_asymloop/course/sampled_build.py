@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.figure import Figure
 
+from minimal_asymloop.course.sampled_depth import KIND_COLORS
 from minimal_asymloop.depth import SIGMA, DepthSampler
 from minimal_asymloop.system import peak_new_bytes
 
@@ -51,10 +52,12 @@ def fig_sampler(samples: list[int], mean: float = 3.0, cap: int = 8) -> Figure:
     """P(K) of three samplers with E[K] = 3 (fixed, uniform 1..5, Huginn's), and the reader's draws as a histogram."""
     fig, ax = plt.subplots(figsize=(7.5, 3.3))
     ks = range(1, cap + 1)
-    pmfs = {"fixed K = 3": DepthSampler("fixed", 3).pmf(), "uniform over 1..5": DepthSampler("uniform", lo=1, hi=5).pmf(),
-            f"log-normal Poisson, mean {mean:g}, cap {cap}": DepthSampler("lognormal_poisson", mean=mean, cap=cap).pmf()}
-    for j, (name, p) in enumerate(pmfs.items()):
-        ax.bar([k + (j - 1) * 0.27 for k in ks], [p.get(k, 0) for k in ks], width=0.27, label=name, alpha=0.85)
+    samplers = {"fixed K = 3": DepthSampler("fixed", 3), "uniform over 1..5": DepthSampler("uniform", lo=1, hi=5),
+                f"log-normal Poisson, mean {mean:g}, cap {cap}": DepthSampler("lognormal_poisson", mean=mean, cap=cap)}
+    for j, (name, s) in enumerate(samplers.items()):  # each sampler in its colour of every notebook 05 figure
+        p = s.pmf()
+        ax.bar([k + (j - 1) * 0.27 for k in ks], [p.get(k, 0) for k in ks], width=0.27, label=name, alpha=0.85,
+               color=KIND_COLORS[s.kind])
     ax.plot(list(ks), [samples.count(k) / len(samples) for k in ks], "k_", ms=22, mew=2,
             label=f"my_draw's {len(samples):,} draws (share per K)")
     ax.set(xlabel="K drawn for one optimizer step", ylabel="probability", xticks=list(ks),

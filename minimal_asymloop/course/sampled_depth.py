@@ -2,8 +2,9 @@
 
     result = json.loads((RESULTS / "sampled_depth.json").read_text())
     fig_test_k(result)      # loss (LM) and accuracy by hops (chain) against test-time K, one curve per training recipe
-    fig_frontier(result)    # one seed's exit rule per recipe against the fixed_k3 model's fixed-K frontier
-    vs_fixed_frontier(result)  # per recipe and seed: the best threshold minus the fixed-K frontier at equal FLOPs
+    fig_frontier(result)    # one seed's exit rule per recipe against the fixed_k3 model's and its own fixed-K frontier
+    vs_fixed_frontier(result)  # per recipe and seed: the best threshold minus fixed_k3's fixed-K frontier at equal FLOPs
+    vs_fixed_frontier(result, own=True)  # the same against the recipe's own model's fixed-K frontier
     within_seed(result)     # each sampled recipe minus fixed K=3 at every test-time K, per seed
     train_more(model, samplers, steps, batch)  # notebook 05's live run: a trained chain model given more steps per sampler
     finetune_acc(result)    # the same, precomputed for every recipe and committed model: {recipe: {seed: accuracy by K}}
@@ -15,6 +16,8 @@ from matplotlib.figure import Figure
 
 LABELS = {"fixed_k3": "fixed K=3 training (the paper)", "lognormal_k3": "log-normal Poisson, E[K]=3 (Huginn)",
           "uniform_k1_5": "uniform K in 1..5"}
+KIND_COLORS = {"fixed": "C0", "lognormal_poisson": "C1", "uniform": "C2"}  # one colour per sampler in every figure
+COLORS = {"fixed_k3": "C0", "lognormal_k3": "C1", "uniform_k1_5": "C2"}  # the recipes, by their sampler's colour
 
 
 def runs_of(result: dict, task: str) -> dict[str, list[dict]]:
@@ -29,7 +32,8 @@ def _band(ax, x, ys, label):
     """Each seed as a thin line and the median over seeds as a thick one: one seed stuck on a plateau stays visible and
     does not drag the summary, as a mean would."""
     ys = np.array(ys)
-    line, = ax.plot(x, np.median(ys, 0), "o-", lw=2, label=f"{LABELS.get(label, label)}: median of {len(ys)} seeds")
+    line, = ax.plot(x, np.median(ys, 0), "o-", lw=2, color=COLORS.get(label),
+                    label=f"{LABELS.get(label, label)}: median of {len(ys)} seeds")
     for y in ys:
         ax.plot(x, y, "-", lw=0.8, alpha=0.4, color=line.get_color())
 
@@ -73,11 +77,12 @@ def fig_test_k(result: dict, hops: str = "3", title: str | None = None, chain: b
 
 
 def fig_frontier(result: dict, task: str = "lm", seed: int | None = None, title: str | None = None) -> Figure:
-    """One seed's exit rule per recipe against the frontier `vs_fixed_frontier` measures every recipe by: the same
-    seed's fixed-K=3 model run at fixed K = 1..8 (black x) and its fixed-K frontier, the running minimum of those
-    losses (dashed). Cross-entropy against counted FLOPs per token (exit checks included), one point per threshold
-    tau > 0 (tau = 0 is fixed K = 8), each a run's own point, no average. The fixed-K=3 recipe's points name their tau;
-    thresholds too close to tell apart share one label, and labels are placed where they overlap no other text."""
+    """One seed's exit rule per recipe against the two frontiers `vs_fixed_frontier` measures it by: the same seed's
+    fixed-K=3 model run at fixed K = 1..8 (black x) and its fixed-K frontier, the running minimum of those losses
+    (dashed); and each sampled recipe's own model's fixed-K frontier (dotted, in its colour).
+    Cross-entropy against counted FLOPs per token (exit checks included), one point per threshold tau > 0 (tau = 0 is
+    fixed K = 8), each a run's own point, no average. The fixed-K=3 recipe's points name their tau; thresholds too close
+    to tell apart share one label, and labels are placed where they overlap no other text."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     runs = runs_of(result, task)
@@ -92,16 +97,21 @@ def fig_frontier(result: dict, task: str = "lm", seed: int | None = None, title:
     ax.plot(*fix.T, "x", c="k", label=f"fixed_k3 model, seed {seed}, run at fixed K = 1..{len(fix)}")
     ax.plot(fix[:, 0], np.minimum.accumulate(fix[:, 1]), "--", c="k", alpha=0.6,
             label="its fixed-K frontier: the lowest loss of any fixed K at no more FLOPs (joined\n"
-                  "linearly: a per-sequence mix of two fixed K); every exit rule is measured against it")
+                  "linearly: a per-sequence mix of two fixed K); one yardstick for every recipe")
     points, taus = [tuple(p) for p in fix], []
     for recipe, run in pick.items():
+        c = COLORS.get(recipe)
+        if recipe != "fixed_k3":  # its own model's frontier
+            fl, ce = _frontier(run)
+            ax.plot(fl / unit, ce, ":", lw=1.5, c=c, label=f"{LABELS.get(recipe, recipe)}: its own fixed-K frontier")
+            points += list(zip(fl / unit, ce))
         ada = [a for a in run["sweep"]["adaptive"] if a["tau"] > 0]  # tau = 0 is fixed K = 8
         xy = np.array([(a["flops_per_token"] / unit, a["ce"]) for a in ada])
-        ax.plot(*xy.T, "o-", ms=4, label=f"{LABELS.get(recipe, recipe)}, seed {seed}: exit rule, one point per tau > 0")
+        ax.plot(*xy.T, "o-", ms=4, c=c, label=f"{LABELS.get(recipe, recipe)}, seed {seed}: exit rule, one point per tau > 0")
         points += [tuple(p) for p in xy]
         if recipe == "fixed_k3":
             taus = [(a["tau"], p) for a, p in zip(ada, xy)]
-    ax.set(title=title or f"Seed {seed}: each recipe's exit rule against the fixed_k3 model's fixed-K frontier",
+    ax.set(title=title or f"Seed {seed}: each recipe's exit rule against fixed_k3's and its own fixed-K frontier",
            xlabel="counted FLOPs per token, exit checks included (x fixed K=3)", ylabel="cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
@@ -115,7 +125,7 @@ def fig_frontier(result: dict, task: str = "lm", seed: int | None = None, title:
         else:
             groups.append([[tau], (x, y), (x, y)])  # taus, where the label goes, the last member
     labels = [(f"K={k}", (x, y), "k") for k, (x, y) in enumerate(fix, 1)]
-    labels += [("τ=" + ", ".join(f"{t:g}" for t in ts), xy, "C0") for ts, xy, _ in groups]
+    labels += [("τ=" + ", ".join(f"{t:g}" for t in ts), xy, COLORS["fixed_k3"]) for ts, xy, _ in groups]
     _place_labels(fig, ax, labels, points)
     return fig
 
@@ -155,19 +165,24 @@ def check_cost(result: dict, task: str = "lm") -> tuple[float, float]:
     return (full[0]["flops_per_token"] - fixed[-1]) / (kmax - 1), fixed[1] - fixed[0]
 
 
-def vs_fixed_frontier(result: dict, task: str = "lm") -> dict[str, list[dict]]:
-    """Per recipe and seed: the threshold closest to the same seed's fixed-K=3 model run at fixed K = 1..8, by counted FLOPs
-    (checks included): `gap` = its cross-entropy minus the fixed frontier's (the lowest loss of any fixed K, linearly
-    interpolated between fixed depths) at the same FLOPs. `gap` > 0: no threshold reaches the fixed frontier."""
+def _frontier(run: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(counted FLOPs per token, the lowest cross-entropy of any fixed K at no more FLOPs) of one run's fixed-K sweep."""
+    f = sorted((x["flops_per_token"], x["ce"]) for x in run["sweep"]["fixed"])
+    return np.array([a for a, _ in f]), np.minimum.accumulate([c for _, c in f])
+
+
+def vs_fixed_frontier(result: dict, task: str = "lm", own: bool = False) -> dict[str, list[dict]]:
+    """Per recipe and seed: the threshold closest to a fixed-K frontier, by counted FLOPs (checks included): `gap` = its
+    cross-entropy minus the frontier's (the lowest loss of any fixed K, linearly interpolated between fixed depths: a
+    per-sequence mix of two fixed K) at the same FLOPs. The frontier is that of the same seed's fixed-K=3 model
+    (own=False: one yardstick for every recipe, so a worse model shows as a larger gap) or of the run's own model
+    (own=True: what the exit rule costs against that model run at fixed K). `gap` > 0: no threshold reaches it."""
     runs = runs_of(result, task)
-    front = {}
-    for r in runs["fixed_k3"]:
-        f = sorted((x["flops_per_token"], x["ce"]) for x in r["sweep"]["fixed"])
-        front[r["seed"]] = (np.array([a for a, _ in f]), np.minimum.accumulate([c for _, c in f]))
+    base = {r["seed"]: _frontier(r) for r in runs["fixed_k3"]}
     out = {}
     for recipe, rs in runs.items():
         for r in rs:
-            fl, ce = front[r["seed"]]
+            fl, ce = _frontier(r) if own else base[r["seed"]]
             gaps = [(a["ce"] - np.interp(a["flops_per_token"], fl, ce), a) for a in r["sweep"]["adaptive"]]
             gap, a = min(gaps, key=lambda g: g[0])
             out.setdefault(recipe, []).append(dict(seed=r["seed"], tau=a["tau"], ce=a["ce"], gap=float(gap),
@@ -238,7 +253,8 @@ def train_more(model, samplers: dict, steps: int, batch, lr: float = 3e-3, seed:
     """For each {name: depth.DepthSampler}: a copy of the trained chain `model` given `steps` more steps of the chain
     task (the same programs in the same order for every sampler), then scored at test-time K = 1..8; backprop_depth:
     truncated backprop through the last n iterations of each step (None: all of them).
-    Returns {name: {"acc": 3-hop accuracy by K, "drawn": {K: steps}, "cpu_s": CPU seconds}}, "before" first."""
+    Returns {name: {"acc": 3-hop accuracy by K, "drawn": {K: steps}, "cpu_s": CPU seconds, "kind": the sampler's
+    kind}}, "before" first (kind None)."""
     import copy
     import time
     from collections import Counter
@@ -249,7 +265,7 @@ def train_more(model, samplers: dict, steps: int, batch, lr: float = 3e-3, seed:
     from minimal_asymloop.tasks import ChainTask, train_on_task
 
     model, batch = copy.deepcopy(model).cpu(), [t.cpu() for t in batch]  # the task's batches are made on the CPU
-    out = {"before": dict(acc=accuracy_by_k(model, batch), drawn={}, cpu_s=0.0)}
+    out = {"before": dict(acc=accuracy_by_k(model, batch), drawn={}, cpu_s=0.0, kind=None)}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (ours) a model this small runs as fast on one thread, and a second one spins on a busy CPU
     try:
@@ -257,7 +273,7 @@ def train_more(model, samplers: dict, steps: int, batch, lr: float = 3e-3, seed:
             m, rec, t0 = copy.deepcopy(model), _Recorded(depth), time.process_time()
             train_on_task(m, ChainTask(**CHAIN_TASK), steps=steps, lr=lr, seed=seed, depth=rec, backprop_depth=backprop_depth)
             out[name] = dict(acc=accuracy_by_k(m.eval(), batch), drawn=dict(sorted(Counter(rec.ks).items())),
-                             cpu_s=time.process_time() - t0)
+                             cpu_s=time.process_time() - t0, kind=getattr(depth, "kind", None))
     finally:
         torch.set_num_threads(threads)
     return out
@@ -318,14 +334,16 @@ def fig_finetune(result: dict, hops: str = "3", title: str | None = None) -> Fig
 
 
 def fig_live(curves: dict, steps: int, title: str = "3-hop accuracy by test-time depth, before and after more steps") -> Figure:
-    """3-hop accuracy against test-time K: the trained model before, and after `steps` more steps per sampler."""
+    """3-hop accuracy against test-time K: the trained model before, and after `steps` more steps per sampler, each in
+    its sampler kind's colour (KIND_COLORS; an unknown kind gets one of its own)."""
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     styles = {"before": dict(c="0.5", ls=":", marker="x")}
     for j, (name, c) in enumerate(curves.items()):
         ks = range(1, len(c["acc"]) + 1)
         label = "trained at fixed K=3 (committed weights)" if name == "before" else f"+ {steps} steps, {name}"
-        ax.plot(ks, c["acc"], **styles.get(name, dict(c=f"C{j}", marker="os^"[j % 3], ms=8 - 2 * (j % 3),
+        colour = KIND_COLORS.get(c.get("kind"), f"C{2 + j}")
+        ax.plot(ks, c["acc"], **styles.get(name, dict(c=colour, marker="os^"[j % 3], ms=8 - 2 * (j % 3),
                                                          ls="-" if j % 3 < 2 else "--")), label=label)  # none hidden
     _mark_trained_k_and_chance(ax)
     ax.set(xlabel="test-time K (decoder iterations)", ylabel="accuracy on 3-hop answers", ylim=(0, 1.03),
@@ -338,16 +356,18 @@ def fig_live(curves: dict, steps: int, title: str = "3-hop accuracy by test-time
 
 def lm_report(result: dict) -> str:
     """The per-seed numbers behind notebook 05's section 6 figures, as text (its appendix): LM loss at K = 8 minus K = 3
-    and at the best K, the sampled runs below fixed K = 3 at some K, and each recipe's closest threshold to the frontier."""
+    and at the best K, the sampled runs below fixed K = 3 at some K, and each recipe's closest threshold to fixed_k3's
+    frontier and to its own model's."""
     ce = {r: [[a["ce"] for a in x["sweep"]["fixed"]] for x in rs] for r, rs in runs_of(result, "lm").items()}
     lines = [f"LM {r:>12}: CE at K=8 minus K=3 " + ", ".join(f"{c[7] - c[2]:+.3f}" for c in v)
              + "; best K's CE minus fixed_k3's best " + ", ".join(f"{min(c) - min(f):+.3f}" for c, f in zip(v, ce["fixed_k3"]))
              for r, v in ce.items()]
     lines += [f"{r} seed {s}: below fixed_k3 (same seed) at K=" + ",".join(str(k) for k, x in zip(d["k"], row) if x < 0)
               for r, d in within_seed(result).items() for s, row in zip(d["seeds"], d["diff"]) if min(row) < 0]
-    lines += [f"{r:>12} closest threshold: " + "; ".join(f"seed {b['seed']} tau={b['tau']:g} FLOPs {b['flops_vs_k3']:.2f} x K=3 "
-                                                         f"{b['gap']:+.4f}" for b in rows)
-              for r, rows in vs_fixed_frontier(result).items()]
+    for own, what in ((False, "fixed_k3's frontier"), (True, "its own frontier")):
+        lines += [f"{r:>12} closest threshold to {what}: " + "; ".join(
+            f"seed {b['seed']} tau={b['tau']:g} FLOPs {b['flops_vs_k3']:.2f} x K=3 {b['gap']:+.4f}" for b in rows)
+            for r, rows in vs_fixed_frontier(result, own=own).items()]
     lines.append("peak training memory at the largest K (MiB): "
                  + str({r: round(m["peak_bytes_at_largest_k"] / 2**20) for r, m in result["memory"].items()}))
     return "\n".join(lines)
