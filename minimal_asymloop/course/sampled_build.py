@@ -61,7 +61,7 @@ def fig_sampler(samples: list[int], mean: float = 3.0, cap: int = 8) -> Figure:
     ax.plot(list(ks), [samples.count(k) / len(samples) for k in ks], "k_", ms=22, mew=2,
             label=f"my_draw's {len(samples):,} draws (share per K)")
     ax.set(xlabel="K drawn for one optimizer step", ylabel="probability", xticks=list(ks),
-           title="Three ways to draw K, each with mean 3")
+           title="Three ways to draw K, each with mean parameter 3 (E[K] about 3)")
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     plt.close(fig)
