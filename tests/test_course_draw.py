@@ -3,7 +3,7 @@
 import pytest
 from matplotlib.figure import Figure
 
-from minimal_asymloop.course.draw import HIGHLIGHTS, asymloop_figure, mask_figure
+from minimal_asymloop.course.draw import HIGHLIGHTS, asymloop_figure, mask_figure, truncation_figure
 
 
 @pytest.mark.parametrize("highlight", (None, *HIGHLIGHTS))
@@ -55,3 +55,17 @@ def test_a_returned_figure_shows_itself_without_pyplot():
     for fig in (asymloop_figure(), mask_figure()):
         png = fig._repr_png_()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_the_truncation_figure_cuts_the_first_k_minus_n_iterations_and_routes_the_gradient_through_global_kv():
+    """Notebook 05: K - n iterations without a graph in each row; only the AsymLoop row has Global KV, and only it
+    says the encoder gets a gradient."""
+    texts = [t.get_text() for t in truncation_figure(K=5, n=2).axes[0].texts]
+    assert texts.count("no graph") == 2 * 3 and texts.count("iteration 5") == 2 and "iteration 6" not in texts
+    assert texts.count("fixed Global KV, made from $H$ once") == 1
+    assert "the encoder's gradient\ncomes through Global KV" in texts and "no gradient reaches\nthe encoder" in texts
+    assert texts.count("cut") == 2
+    full = [t.get_text() for t in truncation_figure(K=3, n=3).axes[0].texts]
+    assert full.count("no graph") == full.count("cut") == 0  # n = K: every iteration keeps its graph
+    with pytest.raises(ValueError, match="K=2, n=3 cannot be drawn; choose integers 1 <= n <= K <= 6"):
+        truncation_figure(K=2, n=3)

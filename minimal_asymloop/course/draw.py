@@ -1,6 +1,7 @@
-"""AsymLoop drawn: one unrolled data-flow figure of the forward pass (the paper's Section 3), and the (N, 2N) joint mask.
+"""AsymLoop drawn: one unrolled data-flow figure of the forward pass (the paper's Section 3), the (N, 2N) joint mask,
+and truncated backprop through the loop (notebook 05; Huginn's, not the paper's).
 
-`asymloop_figure(highlight=...)` greys out all but one part, so each notebook can show where it sits. Both return
+`asymloop_figure(highlight=...)` greys out all but one part, so each notebook can show where it sits. All return
 bare matplotlib Figures (no pyplot state): a notebook displays them, `fig.savefig` writes them.
 """
 
@@ -186,3 +187,66 @@ def mask_figure(n: int = 4) -> Figure:
     ax.set_title(f"Joint mask $({n}, {2 * n})$: query $i$ sees key $j$ of both halves iff $j \\leq i$", fontsize=FONT + 1)
     ax.tick_params(length=0)
     return fig
+
+
+GRAD = "#C44E52"  # the backward pass in truncation_figure
+
+
+def truncation_figure(K: int = 5, n: int = 2) -> Figure:
+    """Truncated backprop through the loop (notebook 05), two rows: AsymLoop, whose every iteration reads the
+    encoder's Global KV, and the same loop without Global KV, where the input enters only as z_0. The first K - n
+    iterations run without a graph (grey, dashed); the gradient (red) goes back from the loss through the last n, and
+    reaches the encoder only through Global KV."""
+    if not (isinstance(K, int) and isinstance(n, int) and 1 <= n <= K <= MAX_ITER + 1):
+        raise ValueError(f"K={K!r}, n={n!r} cannot be drawn; choose integers 1 <= n <= K <= {MAX_ITER + 1}")
+    w, gap, x0 = 1.05, 0.35, 2.6  # iteration boxes: width, gap, left edge of the first
+    right = x0 + K * w + (K - 1) * gap
+    width, row_h = right + 1.6, 2.55
+    cv = _Canvas(width, 2 * row_h + 0.5, None)
+    for row, with_global in enumerate((True, False)):
+        y = (1 - row) * row_h + 0.25  # bottom of this row
+        title = ("AsymLoop: every iteration reads the encoder's Global KV" if with_global else
+                 "without Global KV: the input enters the loop only as $z_0$")
+        cv.text(0.15, y + 2.15, title, None, size=FONT + 0.5, ha="left")
+        cv.box(0.15, y + 0.35, 1.5, 0.6, "embedding,\nencoder: $H$", "encoder", size=FONT - 1)
+        mid = y + 0.65
+        cv.arrow((1.65, mid), (x0, mid), "loop")
+        cv.text((1.65 + x0) / 2, mid + 0.17, "$z_0$", "loop", size=FONT - 1)
+        if with_global:  # the Global KV bar over the iterations, fed once from H
+            cv.box(x0, y + 1.4, right - x0, 0.35, "fixed Global KV, made from $H$ once", "global_kv", size=FONT - 1)
+            cv.arrow((0.55, y + 0.95), (x0, y + 1.62), "global_kv", style="arc3,rad=-0.3")
+        for k in range(1, K + 1):
+            x = x0 + (k - 1) * (w + gap)
+            graph = k > K - n
+            part = "loop" if graph else "head"
+            cv.box(x, y + 0.35, w, 0.6, f"iteration {k}", part, fill=graph, dashed=not graph, size=FONT - 1)
+            if not graph:
+                cv.text(x + w / 2, y + 0.17, "no graph", "head", size=FONT - 2.5)
+            if k < K:
+                cv.arrow((x + w, mid), (x + w + gap, mid), "loop")
+            if with_global:
+                cv.arrow((x + w / 2, y + 1.4), (x + w / 2, y + 0.95), "global_kv")
+                if graph:  # the gradient into Global KV, and from there to the encoder
+                    cv.ax.add_patch(FancyArrowPatch((x + w * 0.75, y + 0.95), (x + w * 0.75, y + 1.4), arrowstyle="-|>",
+                                                    mutation_scale=11, lw=1.4, color=GRAD, ls="--"))
+            if graph:  # the gradient back through the iterations that kept a graph
+                start = right + 0.2 if k == K else x + w + gap
+                cv.ax.add_patch(FancyArrowPatch((start, mid - 0.2), (x + w, mid - 0.2), arrowstyle="-|>",
+                                                mutation_scale=11, lw=1.4, color=GRAD, ls="--"))
+        cv.box(right + 0.2, y + 0.35, 1.1, 0.6, "loss", "head", fill=False)
+        cut = x0 + (K - n) * (w + gap) - gap / 2  # between the last no-graph iteration and the first with one
+        if n < K:
+            cv.ax.plot([cut, cut], [y + 0.2, y + 1.1], color=GRAD, lw=2)
+            cv.ax.text(cut, y + 0.08 if with_global else y + 1.2, "cut", ha="center", va="center", fontsize=FONT - 1.5,
+                       color=GRAD)
+        if with_global:
+            cv.ax.add_patch(FancyArrowPatch((x0, y + 1.48), (1.3, y + 0.97), arrowstyle="-|>", mutation_scale=11,
+                                            lw=1.4, color=GRAD, ls="--", connectionstyle="arc3,rad=0.25"))
+            cv.ax.text(0.9, y + 0.12, "the encoder's gradient\ncomes through Global KV", ha="center", va="center",
+                       fontsize=FONT - 2.5, color=GRAD)
+        else:
+            cv.ax.text(0.9, y + 0.12, "no gradient reaches\nthe encoder", ha="center", va="center", fontsize=FONT - 2.5,
+                       color=GRAD)
+    cv.text(width / 2, 2 * row_h + 0.25, f"Backprop through the last $n={n}$ of $K={K}$ iterations: forward in colour, "
+            "the gradient red and dashed", None, size=FONT + 1)
+    return cv.fig
