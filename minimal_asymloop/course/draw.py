@@ -192,6 +192,16 @@ def mask_figure(n: int = 4) -> Figure:
 GRAD = "#C44E52"  # the backward pass in truncation_figure
 
 
+def _grad(cv, start, end, style="arc3"):
+    """A dashed red arrow: the gradient, against the forward pass."""
+    cv.ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=11, lw=1.4, color=GRAD, ls="--",
+                                    connectionstyle=style))
+
+
+def _grad_text(cv, x, y, s, size=FONT - 2.5):
+    cv.ax.text(x, y, s, ha="center", va="center", fontsize=size, color=GRAD)
+
+
 def truncation_figure(K: int = 5, n: int = 2) -> Figure:
     """Truncated backprop through the loop (notebook 05), two rows: AsymLoop, whose every iteration reads the
     encoder's Global KV, and the same loop without Global KV, where the input enters only as z_0. The first K - n
@@ -227,26 +237,19 @@ def truncation_figure(K: int = 5, n: int = 2) -> Figure:
             if with_global:
                 cv.arrow((x + w / 2, y + 1.4), (x + w / 2, y + 0.95), "global_kv")
                 if graph:  # the gradient into Global KV, and from there to the encoder
-                    cv.ax.add_patch(FancyArrowPatch((x + w * 0.75, y + 0.95), (x + w * 0.75, y + 1.4), arrowstyle="-|>",
-                                                    mutation_scale=11, lw=1.4, color=GRAD, ls="--"))
+                    _grad(cv, (x + w * 0.75, y + 0.95), (x + w * 0.75, y + 1.4))
             if graph:  # the gradient back through the iterations that kept a graph
                 start = right + 0.2 if k == K else x + w + gap
-                cv.ax.add_patch(FancyArrowPatch((start, mid - 0.2), (x + w, mid - 0.2), arrowstyle="-|>",
-                                                mutation_scale=11, lw=1.4, color=GRAD, ls="--"))
+                _grad(cv, (start, mid - 0.2), (x + w, mid - 0.2))
         cv.box(right + 0.2, y + 0.35, 1.1, 0.6, "loss", "head", fill=False)
         cut = x0 + (K - n) * (w + gap) - gap / 2  # between the last no-graph iteration and the first with one
         if n < K:
             cv.ax.plot([cut, cut], [y + 0.2, y + 1.1], color=GRAD, lw=2)
-            cv.ax.text(cut, y + 0.08 if with_global else y + 1.2, "cut", ha="center", va="center", fontsize=FONT - 1.5,
-                       color=GRAD)
+            _grad_text(cv, cut, y + 0.08 if with_global else y + 1.2, "cut", size=FONT - 1.5)
         if with_global:
-            cv.ax.add_patch(FancyArrowPatch((x0, y + 1.48), (1.3, y + 0.97), arrowstyle="-|>", mutation_scale=11,
-                                            lw=1.4, color=GRAD, ls="--", connectionstyle="arc3,rad=0.25"))
-            cv.ax.text(0.9, y + 0.12, "the encoder's gradient\ncomes through Global KV", ha="center", va="center",
-                       fontsize=FONT - 2.5, color=GRAD)
-        else:
-            cv.ax.text(0.9, y + 0.12, "no gradient reaches\nthe encoder", ha="center", va="center", fontsize=FONT - 2.5,
-                       color=GRAD)
+            _grad(cv, (x0, y + 1.48), (1.3, y + 0.97), style="arc3,rad=0.25")
+        _grad_text(cv, 0.9, y + 0.12, "the encoder's gradient\ncomes through Global KV" if with_global else
+                   "no gradient reaches\nthe encoder")
     cv.text(width / 2, 2 * row_h + 0.25, f"Backprop through the last $n={n}$ of $K={K}$ iterations: forward in colour, "
             "the gradient red and dashed", None, size=FONT + 1)
     return cv.fig

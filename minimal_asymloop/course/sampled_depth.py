@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 LABELS = {"fixed_k3": "fixed K=3 training (the paper)", "lognormal_k3": "log-normal Poisson, E[K]=3 (Huginn)",
           "uniform_k1_5": "uniform K in 1..5"}
 KIND_COLORS = {"fixed": "C0", "lognormal_poisson": "C1", "uniform": "C2"}  # one colour per sampler in every figure
-COLORS = {"fixed_k3": "C0", "lognormal_k3": "C1", "uniform_k1_5": "C2"}  # the recipes, by their sampler's colour
+COLORS = {r: KIND_COLORS[k] for r, k in (("fixed_k3", "fixed"), ("lognormal_k3", "lognormal_poisson"), ("uniform_k1_5", "uniform"))}
 
 
 def runs_of(result: dict, task: str) -> dict[str, list[dict]]:
