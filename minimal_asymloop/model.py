@@ -173,8 +173,8 @@ class ModelConfig:
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm computed in fp32 (fp64 input: in fp64) and returned in its input's dtype, with or without autocast.
 
-    CUDA autocast has an fp32 rule for rms_norm (CPU autocast has none), so a plain nn.RMSNorm hands bf16
-    input back in fp32 on a GPU only: QKNorm's q and k would then reach RoPE and attention in fp32."""
+    CUDA autocast in recent torch (2.13; not 2.11) has an fp32 rule for rms_norm (CPU autocast has none), so a plain
+    nn.RMSNorm hands bf16 input back in fp32 on a GPU only: QKNorm's q and k would then reach RoPE and attention in fp32."""
 
     def forward(self, x):
         dt = torch.promote_types(x.dtype, torch.float32)
@@ -317,7 +317,9 @@ def merge_by_lse(o_a, lse_a, o_b, lse_b):
     lse = torch.logaddexp(lse_a, lse_b)  # (B, H, N)
     w_a, w_b = (lse_a - lse).exp().unsqueeze(-1), (lse_b - lse).exp().unsqueeze(-1)
     dt = torch.promote_types(o_a.dtype, torch.float32)  # bf16/fp16 merged in fp32, fp64 stays fp64
-    return (w_a * o_a.to(dt) + w_b * o_b.to(dt)).to(o_a.dtype), lse
+    out = w_a * o_a.to(dt) + w_b * o_b.to(dt)
+    # cast only when needed: torch 2.11 under torch.compile zeroes _JointFlash's gradients when its output is a no-op .to()
+    return (out if out.dtype == o_a.dtype else out.to(o_a.dtype)), lse
 
 
 class _JointFlash(torch.autograd.Function):
