@@ -168,6 +168,11 @@ def test_alpha_noise_figure_and_control_summary():
     fig = C.plot_alpha_noise(scatter, {"init": (5.9, 13, 1.35), "ALRS": (6.2, 7, 2.0)}, "m")
     sd = scatter["64×64"][0].std(ddof=1)
     assert fig._suptitle is not None and f"(sd {sd:.1f})" in fig.axes[0].get_xticklabels()[0].get_text()
+    bars = [c for c in fig.axes[1].containers]  # right panel: one errorbar per fit, ± the formula s.e. by default
+    assert [b.lines[2][0].get_segments()[0][1][1] - 5.9 for b in bars[:1]] == pytest.approx([1.35])
+    fig = C.plot_alpha_noise(scatter, {"init": (5.9, 13, 1.35), "ALRS": (6.2, 7, 2.0)}, "m", spread=2.1)
+    assert fig.axes[1].containers[1].lines[2][0].get_segments()[0][1][1] - 6.2 == pytest.approx(2.1)  # ± the measured sd
+    assert "sd of random matrices" in fig.axes[1].get_ylabel()
     lines = C.control_summary(RES).splitlines()
     arms = C.control_arms(RES)
     assert len(lines) == len(arms) and ("decoder_boost_mult" in RES) == any("Table 4b" in label for label in arms)
@@ -179,3 +184,11 @@ def test_spike_is_the_highest_training_loss_after_the_first_steps():
     history = [dict(step=s, loss=v) for s, v in ((1, 9.0), (5, 8.0), (6, 5.0), (14, 6.9), (30, 8.6), (40, 4.0))] + [dict(step=50)]
     assert C.spike(history) == (30, 8.6)
     assert C.spike(history, after=30) == (40, 4.0)
+
+
+def test_no_pin_puts_the_pinned_names_on_the_line_and_top_share():
+    alphas = {"a": 2.0, "b": 4.0, "embed.weight": 3.0, "head.weight": 5.0}
+    assert C.no_pin(alphas) == {"a": 1.0, "b": 5.0, "embed.weight": 3.0, "head.weight": 7.0}
+    assert C.no_pin(alphas) != C.ref_multipliers(alphas)  # the reference pins both at 5
+    share = C.top_share(RES["setting"]["model"])
+    assert 0.2 < share < 0.35  # notebook 06 prints 27%

@@ -23,8 +23,21 @@ def test_a_right_version_is_kept(capsys):
 def test_a_wrong_or_unwritten_version_gets_the_reference_said_in_one_line(wrong, capsys):
     assert yours_or_reference(wrong, _reference, _check, name="double") is _reference
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and out.startswith("double: not written yet or not right (")
+    assert out.count("\n") == 1 and out.startswith("double: not right yet (")
     assert "_reference" in out
+
+
+def test_a_shipped_placeholder_is_called_unwritten_and_a_written_line_is_not(capsys):
+    def double(x):
+        return ...  # <- write this line
+
+    def written(x):
+        return x + 1  # <- write this line: wrong, but written
+
+    assert yours_or_reference(double, _reference, _check) is _reference
+    assert capsys.readouterr().out.startswith("double: your line is not written yet")
+    assert yours_or_reference(written, _reference, _check) is _reference
+    assert capsys.readouterr().out.startswith("written: not right yet (AssertionError: f(3) = 4, want 6)")
 
 
 def test_a_check_that_rejects_the_reference_is_an_error():

@@ -69,7 +69,7 @@ def test_matched_table_gives_like_for_like_paper_values_only(runs, capsys):
     depth.matched_table(runs, diffs)
     out = capsys.readouterr().out
     assert f"{math.log(24.727 / 25.053):+.3f} (Table 7)" in out
-    assert f"{3.238735 - 3.260346:+.3f} (Table 6, its K = 1 w/o Global KV as Dense)" in out
+    assert f"{3.238735 - 3.260346:+.3f} (Table 6, its K = 1 w/o Global KV as Dense: inferred)" in out
     assert "Table 3" not in out and out.count("no like-for-like run") == 1  # depth 12: Tables 3 and 8 only
 
 

@@ -18,13 +18,13 @@ PINNED = ("alrs", "alrs_hill", "uniform_top")  # the arms whose embedding and he
 
 def live_run(arm: str, res: dict, lr: float, steps: int, device: str = "cpu") -> list[dict]:
     """The first `steps` steps of the study's run of `arm` at base LR `lr`, seed 0, on 1 thread (as the study ran),
-    built by the study's own experiments.arm_setup: its logged history. The checkpoint lands in out/nb05_live_<arm>."""
+    built by the study's own experiments.arm_setup: its logged history. The checkpoint lands in out/nb06_live_<arm>."""
     from minimal_asymloop import experiments as ex
     from minimal_asymloop.paths import OUT
     from minimal_asymloop.trainer import train
 
     S = res["setting"]
-    cfg, cfg_t, hook = ex.arm_setup(arm, lr, S["seeds"][0], S["steps"], OUT / f"nb05_live_{arm}",
+    cfg, cfg_t, hook = ex.arm_setup(arm, lr, S["seeds"][0], S["steps"], OUT / f"nb06_live_{arm}",
                                     res["decoder_boost_mult"] if arm == "decoder_boost" else None,
                                     stop_step=steps, device=device)
     threads = torch.get_num_threads()
@@ -142,9 +142,10 @@ def plot_tail(spectra: dict) -> Figure:
     return fig
 
 
-def plot_alpha_noise(scatter: dict, fits: dict, name: str) -> Figure:
+def plot_alpha_noise(scatter: dict, fits: dict, name: str, spread: float | None = None) -> Figure:
     """Left: alphas of many Gaussian matrices per shape (dots), with the formula's median standard error beside the
-    real spread; right: one trained matrix's alpha at init and after each arm, ± its standard error."""
+    real spread; right: one trained matrix's alpha at init and after each arm, ± `spread` (the measured sd of random
+    matrices of its shape) or, without it, ± each fit's formula standard error."""
     fig = Figure(figsize=(11, 3.8))
     ax, ax1 = fig.subplots(1, 2)
     rng = np.random.default_rng(0)
@@ -156,10 +157,11 @@ def plot_alpha_noise(scatter: dict, fits: dict, name: str) -> Figure:
     ax.set(ylabel="alpha (WeightWatcher)", title="random matrices: alpha scatters\nfar beyond its formula s.e.")
     ax.legend(fontsize=8)
     for i, (a, n_tail, se) in enumerate(fits.values()):
-        ax1.errorbar(i, a, yerr=se, fmt="o", color=f"C{i + 2}", capsize=5)
+        ax1.errorbar(i, a, yerr=se if spread is None else spread, fmt="o", color=f"C{i + 2}", capsize=5)
         ax1.annotate(f"{a:.2f} ({n_tail} pts)", (i + 0.08, a), fontsize=8)
     ax1.set_xticks(range(len(fits)), list(fits), fontsize=9)
-    ax1.set(xlim=(-0.5, len(fits) - 0.3), ylabel="alpha ± s.e.", title=f"{name}:\nthe three fits overlap")
+    bars = "the formula's s.e." if spread is None else f"sd of random matrices of its shape ({spread:.1f})"
+    ax1.set(xlim=(-0.5, len(fits) - 0.3), ylabel=f"alpha ± {bars}", title=f"{name}:\nthe three fits overlap")
     fig.suptitle("One alpha fit is noisy: it cannot rank one matrix's init, uniform-LR and ALRS states")
     fig.tight_layout()
     return fig
@@ -398,6 +400,23 @@ def ref_multipliers(alphas: dict, top=None, lo: float = 1.0, hi: float = 5.0) ->
     from minimal_asymloop import alrs
 
     return alrs.multipliers_from_alphas(alphas, lo, hi, top=alrs.TOP_NAMES if top is None else top)
+
+
+def no_pin(alphas: dict, lo: float = 1.0, hi: float = 5.0) -> dict:
+    """A wrong allocation for notebook 06's check: every matrix on the line by its own alpha, the pinned names too."""
+    from minimal_asymloop import alrs
+
+    r = [v for k, v in alphas.items() if k not in alrs.TOP_NAMES]
+    return {k: lo + (hi - lo) * (v - min(r)) / (max(r) - min(r)) for k, v in alphas.items()}
+
+
+def top_share(model: dict) -> float:
+    """The pinned matrices' (embedding and head) share of the parameters of `LoopedLM(ModelConfig(**model))`."""
+    from minimal_asymloop import alrs
+    from minimal_asymloop.model import LoopedLM, ModelConfig
+
+    sizes = {n: p.numel() for n, p in LoopedLM(ModelConfig(**model)).named_parameters()}
+    return sum(sizes[n] for n in alrs.TOP_NAMES) / sum(sizes.values())
 
 
 def ref_ramp(start: float, target: float, step: int, ramp_from: int, length: int) -> float:

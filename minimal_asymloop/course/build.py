@@ -2,6 +2,7 @@
 check on the reader's version and, where it fails or raises, says so in one line and hands back the package's
 reference, so that the cells after it run either way (and nbval runs the notebook as committed)."""
 
+import inspect
 from collections.abc import Callable
 
 
@@ -23,10 +24,28 @@ def yours_or_reference(yours, reference, check: Callable, name: str | None = Non
     try:
         check(yours)
     except Exception as e:  # noqa: BLE001 (an unwritten line raises anything: TypeError, AttributeError, ...)
-        why = f"{type(e).__name__}: {e}".splitlines()[0][:160]
-        print(f"{name}: not written yet or not right ({why}); the cells below use the reference "
-              f"{reference.__module__}.{reference.__name__}. Write yours and run this cell again.")
+        ref = f"{reference.__module__}.{reference.__name__}"
+        if unwritten(yours):  # the shipped state: say so plainly, not with the error the placeholder raises
+            print(f"{name}: your line is not written yet (`# <- write`), so the cells below use the reference {ref}. "
+                  "Write it and run this cell again.")
+        else:
+            why = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+            print(f"{name}: not right yet ({why}); the cells below use the reference {ref}. Fix it and run this cell again.")
         check(reference)  # raises if the check rejects the package's own answer
         return reference
     print(f"{name}: yours passes the check; the cells below use it")
     return yours
+
+
+def unwritten(obj) -> bool:
+    """Whether `obj`'s source still holds a shipped placeholder: a line marked `# <- write` whose code holds `...` or
+    ends in `None`. False where the source cannot be read."""
+    try:
+        src = inspect.getsource(obj)
+    except (OSError, TypeError):
+        return False
+    for line in src.splitlines():
+        code, _, comment = line.partition("#")
+        if comment.strip().startswith("<- write") and ("..." in code or code.strip().endswith("None")):
+            return True
+    return False

@@ -112,8 +112,9 @@ def matched_depth(runs: LMRuns) -> dict:
           "The paper's columns, each difference within one table (60M: Tables 6-8 do not say it; their AsymLoop\n"
           "  rows equal Table 4a's 60M values; 17.6 tokens/param from Section 4.1):\n"
           "  Table 3: effect of recurrent depth; learning-rate recipe not stated\n"
-          "  Table 6: Global KV and recurrent depth; uniform LR, QKNorm (K = 1 w/o Global KV has Dense's\n"
-          "    architecture, ours checked; a run other than Table 8's Dense, CE 3.260346 against 3.271820)\n"
+          "  Table 6: Global KV and recurrent depth; uniform LR, QKNorm (our inference, not the paper's words: K = 1\n"
+          "    w/o Global KV has Dense's architecture, as ours is, checked; a run other than Table 8's Dense,\n"
+          "    CE 3.260346 against 3.271820)\n"
           "  Table 7: context-access variants; uniform LR, QKNorm\n"
           "  Table 8: additional validation results; uniform LR, AsymLoop w/o QKNorm")
     print(f"{'pair (our depth)':>32} | {'Table 3':>7} | {'Table 6':>7} | {'Table 7':>7} | {'Table 8':>7} | "
@@ -315,7 +316,7 @@ def matched_table(runs: LMRuns, diffs: dict):
           f"{'ours, mean ± std':>16} {'ahead in':>9}   paper, uniform LR and QKNorm (60M inferred)")
     for (b, a), d in diffs.items():
         p = paper_matched(b, a)
-        src = next((f"{p[t]:+.3f} ({t}{', its K = 1 w/o Global KV as Dense' if t == 'Table 6' else ''})"
+        src = next((f"{p[t]:+.3f} ({t}{', its K = 1 w/o Global KV as Dense: inferred' if t == 'Table 6' else ''})"
                     for t in ("Table 6", "Table 7") if p[t] is not None), "no like-for-like run")
         depth = runs.runs[(a, runs.seeds[0])]["effective_depth"]
         print(f"{a + ' - ' + b:>27} {depth:>5} {ms(d):>16} {f'{(d < 0).sum()}/{len(d)}':>9}   {src}")
@@ -403,7 +404,7 @@ def plot_live_lens(lens: dict, steps: int, seed: int, n_iter: int = 3) -> Figure
     ax.set(xlabel="iteration k whose state the head reads (k = 0: the encoder output H; ★: the trained K)",
            ylabel="loss, 32 held-out windows (nats/token)",
            title=f"After {steps} steps (seed {seed}), the model with Global KV is {'ahead' if a < b else 'behind'} at "
-                 f"K = {n_iter} by {abs(b - a):.2f} nats,\nand both predict from H alone (k = 0) worse than after "
+                 f"K = {n_iter} by {abs(b - a):.2f} nats on these windows,\nand both predict from H alone (k = 0) worse than after "
                  f"one iteration" if min(c[0] - c[1] for c in lens.values()) > 0 else f"Live lens after {steps} steps")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend()
