@@ -4,6 +4,7 @@ lookup claims false at initialisation, figures built without pyplot."""
 import json
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pytest
 import torch
 
@@ -90,10 +91,15 @@ def test_lookup_figure_names_both_uniform_references(ctx):
     _, qhops = chain.lookups(ctx, {})
     look = {("asymloop_k3", 0): chain.untrained_lookups(ctx, 0, "asymloop_k3"),
             ("asymloop_k3_no_local", 0): chain.untrained_lookups(ctx, 0, "asymloop_k3_no_local")}
-    labels = [t.get_text() for t in chain.plot_lookups(look, qhops).legends[0].get_texts()]
+    fig = chain.plot_lookups(look, qhops)
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
     u = chain.uniform_share(qhops)
     assert f"uniform, one statement: {u / 2:.2f} per half" in labels
-    assert f"uniform, one statement: {u:.2f} (Global only)" in labels
+    assert f"uniform, one statement: {u:.2f} (summed, or Global only)" in labels
+    summed = [ln for ln in fig.axes[0].lines if ln.get_label() == "j=1, both halves summed"]  # both halves' panel only
+    b = chain.shares(look[("asymloop_k3", 0)], qhops, 3)
+    assert len(summed) == 1 and np.allclose(summed[0].get_ydata(), b[:, 1].sum(-1))
+    assert not [ln for ln in fig.axes[1].lines if ln.get_label() == "j=1, both halves summed"]
 
 
 def _resolve(text, passes):  # one pass resolves every statement whose right-hand side is a digit or already resolved
