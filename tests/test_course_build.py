@@ -47,3 +47,17 @@ def test_a_check_that_rejects_the_reference_is_an_error():
 
 def test_passes_tells_a_right_version_from_a_wrong_one():
     assert passes(_check, _reference) and not passes(_check, lambda x: x)
+
+
+def test_a_class_with_an_unwritten_method_is_unwritten():
+    class Frozen:
+        def append(self, k):
+            ...  # <- write this line
+
+    class Written:
+        def append(self, k):
+            return k  # <- write this line
+
+    from minimal_asymloop.course.build import unwritten
+
+    assert unwritten(Frozen) and not unwritten(Written)

@@ -39,7 +39,10 @@ def yours_or_reference(yours, reference, check: Callable, name: str | None = Non
 
 def unwritten(obj) -> bool:
     """Whether `obj`'s source still holds a shipped placeholder: a line marked `# <- write` whose code holds `...` or
-    ends in `None`. False where the source cannot be read."""
+    ends in `None`. A class: any of its methods (IPython cannot give a class's own source). False where the source
+    cannot be read."""
+    if inspect.isclass(obj):
+        return any(unwritten(f) for f in vars(obj).values() if inspect.isfunction(f))
     try:
         src = inspect.getsource(obj)
     except (OSError, TypeError):
