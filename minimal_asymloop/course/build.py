@@ -25,7 +25,7 @@ def yours_or_reference(yours, reference, check: Callable, name: str | None = Non
         check(yours)
     except Exception as e:  # noqa: BLE001 (an unwritten line raises anything: TypeError, AttributeError, ...)
         ref = f"{reference.__module__}.{reference.__name__}"
-        if unwritten(yours):  # the shipped state: say so plainly, not with the error the placeholder raises
+        if isinstance(e, NotImplementedError) or unwritten(yours):  # shipped unwritten: say so, not the placeholder's error
             print(f"{name}: your line is not written yet (`# <- write`), so the cells below use the reference {ref}. "
                   "Write it and run this cell again.")
         else:
