@@ -386,8 +386,7 @@ def plot_lookups(look: dict, qhops) -> Figure:
         b = shares(look[key], qhops, 3)
         for (j, half), (color, ls, lab) in style.items():
             ax.plot(its, b[:, j, half], ls, marker="o", ms=4, color=color, label=lab)
-        both = key[0] == "asymloop_k3"  # uniform attention over every visible key: per half, or all on Global
-        if both:  # the summed j=1 share, the one the title's multiples compare with u
+        if key[0] == "asymloop_k3":  # the summed j=1 share (the title's multiples compare it with u); uniform per half
             ax.plot(its, b[:, 1].sum(-1), color="tab:red", ls=":", marker="s", ms=3, lw=1.2, label="j=1, both halves summed")
             ax.axhline(u / 2, color="0.5", ls=":", lw=1.2, label=f"uniform, one statement: {u / 2:.2f} per half")
         ax.axhline(u, color="k", ls=":", lw=1.2, label=f"uniform, one statement: {u:.2f} (summed, or Global only)")
