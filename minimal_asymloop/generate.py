@@ -195,13 +195,19 @@ def adaptive_states(model, idx, exit_threshold: float, max_iter: int, cache: Ada
         z = torch.where(running[..., None], y, z)  # exited tokens keep their state
         new_logp = F.log_softmax(model.logits(z).float(), dim=-1)  # (B, N, V)
         if logp is not None:
-            kl = (logp.exp() * (logp - new_logp)).sum(-1).clamp_min(0)  # KL(p_{k-1} || p_k), >= 0 despite rounding
+            kl = iteration_kl(logp, new_logp)
             settled = running & (kl < exit_threshold)
             exit_iter[settled] = k + 1
             running &= ~settled
         logp = new_logp
     cache.exit_iter = exit_iter if cache.exit_iter is None else torch.cat([cache.exit_iter, exit_iter], dim=1)
     return z, exit_iter
+
+
+def iteration_kl(logp_prev, logp):
+    """KL(p_{k-1} || p_k) per position from two log-probability tensors (..., V): the exit rule's signal,
+    clamped at 0 so rounding never makes it negative."""
+    return (logp_prev.exp() * (logp_prev - logp)).sum(-1).clamp_min(0)
 
 
 def check_adaptive_args(model, exit_threshold, max_iter) -> int:

@@ -4,6 +4,8 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
+from minimal_asymloop.generate import iteration_kl
+
 GROUP_COLORS = {"1-hop answers": "C2", "2-hop answers": "C0", "3-hop answers": "C3", "no target": "0.5"}
 
 
@@ -13,7 +15,7 @@ def kl_by_group(model, idx, targets, hops, max_iter: int = 6) -> dict[str, np.nd
     `max_iter` (every token runs every iteration: no exits, no frozen keys). Groups: answers by hop count, and the
     positions with no training target."""
     logp = [torch.log_softmax(model.logits(z).float(), -1) for z in model.states(idx, n_iter=max_iter)]
-    kl = torch.stack([(a.exp() * (a - b)).sum(-1).clamp_min(0) for a, b in zip(logp, logp[1:])], -1)  # (B, T, K-1)
+    kl = torch.stack([iteration_kl(a, b) for a, b in zip(logp, logp[1:])], -1)  # (B, T, K-1)
     groups = {f"{h}-hop answers": (targets >= 0) & (hops == h) for h in (1, 2, 3)}
     groups["no target"] = targets < 0
     return {g: kl[m].cpu().numpy() for g, m in groups.items()}
