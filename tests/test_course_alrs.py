@@ -192,3 +192,21 @@ def test_no_pin_puts_the_pinned_names_on_the_line_and_top_share():
     assert C.no_pin(alphas) != C.ref_multipliers(alphas)  # the reference pins both at 5
     share = C.top_share(RES["setting"]["model"])
     assert 0.2 < share < 0.35  # notebook 06 prints 27%
+
+
+def test_one_adam_step_moves_each_matrix_by_its_multiplier_and_the_wrong_optimizers_fail():
+    from minimal_asymloop.course import alrs_build as AB
+    from minimal_asymloop.model import LoopedLM, ModelConfig
+
+    torch.manual_seed(0)
+    net = LoopedLM(ModelConfig(arch="asymloop", n_layer=4, n_enc=2, d_model=64, n_head=4, d_ff=128, vocab_size=128, max_seq_len=32))
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    mults = {name: 1.0 + (i % 5) for i, name in enumerate(alrs.tuned_matrices(net))}  # 1x .. 5x
+    AB.check_step_sizes(AB.ref_set_lrs, net, tokens, mults)
+    with pytest.raises(AssertionError, match="x the base LR, its multiplier is"):  # the multiplier forgotten
+        AB.check_step_sizes(lambda opt, m, lr: [g.update(lr=lr) for g in opt.param_groups], net, tokens, mults)
+    with pytest.raises(AssertionError, match="x the base LR"):  # one group for every matrix: nothing to set per matrix
+        AB.check_step_sizes(AB.ref_set_lrs, net, tokens, mults, per_matrix=False)
+    before = [p.detach().clone() for p in net.parameters()]
+    AB.first_step_sizes(net, tokens, AB.ref_set_lrs, mults)
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))  # the model itself is untouched

@@ -118,9 +118,15 @@ def check_states(f, model, idx, targets):
         assert not diff, f"K={K}, n={n}: {len(diff)} gradients ({diff[0]}, ...) differ from the package's"
 
 
-def grad_norms(g: dict, parts=("embed", "encoder", "decoder")) -> dict[str, float]:
-    """The gradient's norm over each part's parameters (0 where none reached them)."""
-    return {p: math.sqrt(sum(float(v.pow(2).sum()) for k, v in g.items() if k.startswith(p) and v is not None)) for p in parts}
+PARTS = {"embedding": ("embed.",), "encoder": ("encoder.", "enc_norm."), "decoder's Global KV projections": ("_glob",),
+         "decoder, the rest": ("decoder.",)}  # the first match names a parameter's part
+
+
+def grad_norms(g: dict) -> dict[str, float]:
+    """The gradient's norm over each part's parameters (PARTS; 0 where none reached them). The Global KV
+    projections (wk_glob, wv_glob, k_glob_norm) live in the decoder's layers but act once, on the encoder's output."""
+    part = {k: next((p for p, keys in PARTS.items() if any(key in k for key in keys)), None) for k in g}
+    return {p: math.sqrt(sum(float(v.pow(2).sum()) for k, v in g.items() if part[k] == p and v is not None)) for p in PARTS}
 
 
 def step_bytes(model, idx, targets, K: int, n: int | None = None) -> int:
