@@ -11,6 +11,7 @@ from matplotlib.colors import to_rgb
 from minimal_asymloop import alrs
 from minimal_asymloop import experiments as ex
 from minimal_asymloop.course import alrs as C
+from minimal_asymloop.course import alrs_build as AB
 from minimal_asymloop.optim import make_alrs
 from minimal_asymloop.paths import RESULTS
 
@@ -132,20 +133,20 @@ def test_build_references_match_the_package_and_wrong_versions_fail():
     torch.manual_seed(0)
     e = alrs.eigenvalues(torch.randn(128, 64) * 0.05, torch.float64)
     edges = C.mp_edges(e, (128, 64))
-    assert np.allclose(C.ref_mp_edges(e.sum() / (128 * 64), 128, 64), edges, rtol=0, atol=1e-12)
+    assert np.allclose(AB.ref_mp_edges(e.sum() / (128 * 64), 128, 64), edges, rtol=0, atol=1e-12)
     h = e[e > alrs.EVALS_THRESH]
-    assert abs(C.ref_hill(h, len(h) // 2) - alrs.hill_median_alpha(h)) < 1e-9
+    assert abs(AB.ref_hill(h, len(h) // 2) - alrs.hill_median_alpha(h)) < 1e-9
     alphas = {"a": 2.0, "b": 3.0, "c": 6.0, "embed.weight": 1.0}
     want = alrs.multipliers_from_alphas(alphas, top=alrs.TOP_NAMES)
-    assert all(abs(C.ref_multipliers(alphas)[k] - v) < 1e-12 for k, v in want.items())
-    assert all(C.ref_ramp(3.0, 5.0, s, 10, 5) == alrs.ramp(3.0, 5.0, s, 10, 5) for s in range(30))
+    assert all(abs(AB.ref_multipliers(alphas)[k] - v) < 1e-12 for k, v in want.items())
+    assert all(AB.ref_ramp(3.0, 5.0, s, 10, 5) == alrs.ramp(3.0, 5.0, s, 10, 5) for s in range(30))
 
     def check(f):
         assert f(1) == 2, "not 2"
 
-    C.wrong_fails(check, lambda x: x, "identity")  # a failing wrong version passes quietly
+    AB.wrong_fails(check, lambda x: x, "identity")  # a failing wrong version passes quietly
     with pytest.raises(AssertionError, match="let a wrong version pass"):
-        C.wrong_fails(check, lambda x: x + 1, "right")
+        AB.wrong_fails(check, lambda x: x + 1, "right")
 
 
 def test_tail_plot_draws_the_fit_from_xmin_with_slope_one_minus_alpha():
@@ -188,14 +189,13 @@ def test_spike_is_the_highest_training_loss_after_the_first_steps():
 
 def test_no_pin_puts_the_pinned_names_on_the_line_and_top_share():
     alphas = {"a": 2.0, "b": 4.0, "embed.weight": 3.0, "head.weight": 5.0}
-    assert C.no_pin(alphas) == {"a": 1.0, "b": 5.0, "embed.weight": 3.0, "head.weight": 7.0}
-    assert C.no_pin(alphas) != C.ref_multipliers(alphas)  # the reference pins both at 5
+    assert AB.no_pin(alphas) == {"a": 1.0, "b": 5.0, "embed.weight": 3.0, "head.weight": 7.0}
+    assert AB.no_pin(alphas) != AB.ref_multipliers(alphas)  # the reference pins both at 5
     share = C.top_share(RES["setting"]["model"])
     assert 0.2 < share < 0.35  # notebook 06 prints 27%
 
 
 def test_one_adam_step_moves_each_matrix_by_its_multiplier_and_the_wrong_optimizers_fail():
-    from minimal_asymloop.course import alrs_build as AB
     from minimal_asymloop.model import LoopedLM, ModelConfig
 
     torch.manual_seed(0)
@@ -210,3 +210,19 @@ def test_one_adam_step_moves_each_matrix_by_its_multiplier_and_the_wrong_optimiz
     before = [p.detach().clone() for p in net.parameters()]
     AB.first_step_sizes(net, tokens, AB.ref_set_lrs, mults)
     assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))  # the model itself is untouched
+
+
+def test_replay_checks_a_live_run_against_the_study_only_where_it_can(monkeypatch, capsys):
+    S = RES["setting"]
+    lr = C.best_lr(RES, "uniform")
+    run = C.runs_of(RES, "uniform", lr)[S["seeds"][0]]
+    live = {"uniform": [dict(step=s, loss=v) for s, v in run["train_loss"] if s <= 50]}  # the study's own losses
+    monkeypatch.setattr("minimal_asymloop.sources.source_identity", lambda *a: S["data_identity"])
+    early, fig = C.replay(live, RES, ("uniform",), lr, "cpu")
+    assert early == {"uniform": 0.0} and fig.axes[0].get_title()
+    live["uniform"][1]["loss"] += 0.5  # a live run that differs at step 10
+    assert C.replay(live, RES, ("uniform",), lr, "cpu")[0]["uniform"] > 0.4
+    assert C.replay(live, RES, ("uniform",), lr, "cuda")[0] == {"uniform": None}  # another device: not checked
+    assert "NOT checked" in capsys.readouterr().out
+    assert C.replay(live, RES, ("uniform",), 123.0, "cpu")[0] == {"uniform": None}  # no such run in the study
+    assert "nothing to check against" in capsys.readouterr().out

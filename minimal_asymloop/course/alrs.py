@@ -341,6 +341,32 @@ def plot_live(live: dict[str, list[dict]], stored: dict[str, dict | None], lr: f
     return fig
 
 
+def replay(live: dict[str, list[dict]], res: dict, arms, lr: float, device: str) -> tuple[dict, Figure]:
+    """Each live run beside the study's run of the same arm, base LR and seed 0, at the study's logged steps. Prints, per
+    arm, the largest |live − study| training loss to steps 10, 20 and the end, and its highest loss after step 5.
+    Returns ({arm: the largest gap to step 10, None where nothing is checked}, the figure). Checked only where the study
+    has that run and the live one ran on its data, on "cpu" (the study's device and thread count)."""
+    from minimal_asymloop.sources import source_identity
+
+    S = res["setting"]
+    stored = {arm: runs_of(res, arm, lr).get(S["seeds"][0]) for arm in arms}
+    check = source_identity("stdlib", None) == S["data_identity"] and device == "cpu"
+    early = {}
+    for arm, run in stored.items():
+        if run is None:
+            print(f"{arm}: the study has no run at LR {lr:g}: nothing to check against")
+            early[arm] = None
+            continue
+        gaps = replay_gaps(live[arm], run)
+        to10, to20 = (max(g for s, g in gaps.items() if s <= t) for t in (10, 20))
+        early[arm] = to10 if check else None
+        verdict = "checked" if check else "NOT checked: needs the study's data and DEVICE 'cpu'"
+        (s_hi, v_hi) = spike(live[arm])  # the study logs every 5 steps: a one-step spike can fall between
+        print(f"{arm}: largest |live - study| to step 10: {to10:.1g} ({verdict}); to step 20: {to20:.1g}; to step "
+              f"{max(gaps)}: {max(gaps.values()):.1g}; highest training loss after step 5, live: {v_hi:.1f} at step {s_hi}")
+    return early, plot_live({arm: live[arm] for arm in arms}, stored, lr)
+
+
 def sweep_table(res: dict) -> str:
     """Every run of the study: arm, base LR, and the final val loss of each seed."""
     seeds = res["setting"]["seeds"]
@@ -381,35 +407,6 @@ def plot_allocation(run: dict, ramp: int, last_step: int) -> Figure:
     return fig
 
 
-# The reader's build steps (section 1 and 2 of notebook 06): the references `course.build.yours_or_reference` falls
-# back on; notebooks/solutions/06_solutions.ipynb works the same lines.
-def ref_mp_edges(sigma2: float, n: int, m: int) -> tuple[float, float]:
-    """The Marchenko–Pastur bulk [λ−, λ+] of WᵀW for W (n × m) with i.i.d. entries of variance σ²."""
-    return sigma2 * (n ** 0.5 - m ** 0.5) ** 2, sigma2 * (n ** 0.5 + m ** 0.5) ** 2
-
-
-def ref_hill(e, i: int) -> float:
-    """The Hill estimator of a power-law tail with xmin = e[i] (e sorted ascending)."""
-    tail = np.asarray(e[i:], dtype=np.float64)
-    return float(1 + len(tail) / np.log(tail / e[i]).sum())
-
-
-def ref_multipliers(alphas: dict, top=None, lo: float = 1.0, hi: float = 5.0) -> dict:
-    """ALRS's map, the package's own (alrs.multipliers_from_alphas): a line from the smallest block alpha (lo) to the
-    largest (hi); the `top` names (default: the pinned embedding and head) are set to hi and stay out of the min and max."""
-    from minimal_asymloop import alrs
-
-    return alrs.multipliers_from_alphas(alphas, lo, hi, top=alrs.TOP_NAMES if top is None else top)
-
-
-def no_pin(alphas: dict, lo: float = 1.0, hi: float = 5.0) -> dict:
-    """A wrong allocation for notebook 06's check: every matrix on the line by its own alpha, the pinned names too."""
-    from minimal_asymloop import alrs
-
-    r = [v for k, v in alphas.items() if k not in alrs.TOP_NAMES]
-    return {k: lo + (hi - lo) * (v - min(r)) / (max(r) - min(r)) for k, v in alphas.items()}
-
-
 def top_share(model: dict) -> float:
     """The pinned matrices' (embedding and head) share of the parameters of `LoopedLM(ModelConfig(**model))`."""
     from minimal_asymloop import alrs
@@ -419,13 +416,6 @@ def top_share(model: dict) -> float:
     return sum(sizes[n] for n in alrs.TOP_NAMES) / sum(sizes.values())
 
 
-def ref_ramp(start: float, target: float, step: int, ramp_from: int, length: int) -> float:
-    """Linear from start (at ramp_from) to target over `length` steps, then flat at target: the package's alrs.ramp."""
-    from minimal_asymloop import alrs
-
-    return alrs.ramp(start, target, step, ramp_from, length)
-
-
 def random_alpha_scatter(shape: tuple[int, int], draws: int, generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
     """WeightWatcher's alpha of `draws` Gaussian matrices of this shape, and each fit's (alpha − 1)/√n standard error."""
     from minimal_asymloop import alrs
@@ -433,13 +423,3 @@ def random_alpha_scatter(shape: tuple[int, int], draws: int, generator: torch.Ge
     fits = [tail_fit(alrs.eigenvalues(torch.randn(*shape, generator=generator), torch.float64)) for _ in range(draws)]
     a = np.array([f[0] for f in fits])
     return a, (a - 1) / np.sqrt([f[1] for f in fits])
-
-
-def wrong_fails(check, wrong, label: str) -> None:
-    """Run a build step's `check` on a wrong version: print the line it fails with; raise if the check lets it pass."""
-    try:
-        check(wrong)
-    except AssertionError as err:
-        print(f"wrong version, {label}: fails the check ({err})")
-        return
-    raise AssertionError(f"{label}: the check let a wrong version pass")

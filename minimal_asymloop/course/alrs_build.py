@@ -1,11 +1,15 @@
-"""Notebook 06's optimizer build: where ALRS's multipliers meet AdamW. Every matrix has its own parameter group; each
-step the trainer sets group["lr"] = base LR x group["lr_mult"] (trainer.optimizer_step). Adam's first step moves every
-entry with a gradient by about its LR (m/√v = g/|g|), so one step shows each matrix's multiplier directly."""
+"""Notebook 06's build steps: the references `course.build.yours_or_reference` falls back on (the bulk edges, Hill's
+alpha, the multipliers, the ramp), the wrong versions its checks must fail, and the optimizer step where ALRS's
+multipliers meet AdamW: every matrix has its own parameter group, and each step the trainer sets
+group["lr"] = base LR x group["lr_mult"] (trainer.optimizer_step). Adam's first step moves every entry with a gradient
+by about its LR (m/√v = g/|g|), so one step shows each matrix's multiplier directly."""
 
 import copy
 
+import numpy as np
 import torch
 
+from minimal_asymloop import alrs
 from minimal_asymloop.optim import param_groups
 
 
@@ -39,3 +43,41 @@ def check_step_sizes(set_lrs, model, tokens, multipliers: dict, per_matrix: bool
     worst = max(multipliers, key=lambda n: abs(got[n] / multipliers[n] - 1))
     assert abs(got[worst] / multipliers[worst] - 1) < 0.01, \
         f"{worst}: moved {got[worst]:.2f} x the base LR, its multiplier is {multipliers[worst]:.2f}"
+
+
+def ref_mp_edges(sigma2: float, n: int, m: int) -> tuple[float, float]:
+    """The Marchenko–Pastur bulk [λ−, λ+] of WᵀW for W (n × m) with i.i.d. entries of variance σ²."""
+    return sigma2 * (n ** 0.5 - m ** 0.5) ** 2, sigma2 * (n ** 0.5 + m ** 0.5) ** 2
+
+
+def ref_hill(e, i: int) -> float:
+    """The Hill estimator of a power-law tail with xmin = e[i] (e sorted ascending)."""
+    tail = np.asarray(e[i:], dtype=np.float64)
+    return float(1 + len(tail) / np.log(tail / e[i]).sum())
+
+
+def ref_multipliers(alphas: dict, top=None, lo: float = 1.0, hi: float = 5.0) -> dict:
+    """ALRS's map, the package's own (alrs.multipliers_from_alphas): a line from the smallest block alpha (lo) to the
+    largest (hi); the `top` names (default: the pinned embedding and head) are set to hi and stay out of the min and max."""
+    return alrs.multipliers_from_alphas(alphas, lo, hi, top=alrs.TOP_NAMES if top is None else top)
+
+
+def no_pin(alphas: dict, lo: float = 1.0, hi: float = 5.0) -> dict:
+    """A wrong allocation for notebook 06's check: every matrix on the line by its own alpha, the pinned names too."""
+    r = [v for k, v in alphas.items() if k not in alrs.TOP_NAMES]
+    return {k: lo + (hi - lo) * (v - min(r)) / (max(r) - min(r)) for k, v in alphas.items()}
+
+
+def ref_ramp(start: float, target: float, step: int, ramp_from: int, length: int) -> float:
+    """Linear from start (at ramp_from) to target over `length` steps, then flat at target: the package's alrs.ramp."""
+    return alrs.ramp(start, target, step, ramp_from, length)
+
+
+def wrong_fails(check, wrong, label: str) -> None:
+    """Run a build step's `check` on a wrong version: print the line it fails with; raise if the check lets it pass."""
+    try:
+        check(wrong)
+    except AssertionError as err:
+        print(f"wrong version, {label}: fails the check ({err})")
+        return
+    raise AssertionError(f"{label}: the check let a wrong version pass")
