@@ -1,6 +1,7 @@
 """notebooks/03's figures and tables (minimal_asymloop.course.chain): per-seed numbers straight from the JSON, the
 lookup claims false at initialisation, figures built without pyplot."""
 
+import copy
 import json
 
 import matplotlib.pyplot as plt
@@ -274,3 +275,21 @@ def test_depth_figures_draw_the_plateau():
     assert "plateau (its value on the line)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert [[t.get_text() for t in ax.texts if t.get_text().startswith("plateau")] for ax in fig.axes[:2]] == \
         [["plateau 0.63"], ["plateau 0.51"]]  # each panel names its own level
+
+
+def test_without_heads_is_zeroed_wo_columns_and_at_silences_one_iteration(ctx):
+    model = chain.load_trained(ctx, keys=[("asymloop_k3_no_local", 1)])[("asymloop_k3_no_local", 1)].cpu()
+    x = ctx.task.batch(4, torch.Generator().manual_seed(0))[0]
+    hd = model.config.d_model // model.config.n_head
+    cols = copy.deepcopy(model)
+    with torch.no_grad():
+        for blk in cols.decoder:
+            for h in (0, 3):
+                blk.attn.wo.weight[:, hd * h:hd * (h + 1)] = 0
+        hooked, zeroed, plain = (m(x)[0] for m in (chain_build.without_heads(model, [0, 3]), cols, model))
+        at2 = chain_build.without_heads(model, [0, 3], at=2)(x)[0]
+        first = [z.clone() for z in chain_build.without_heads(model, [0, 3], at=2).states(x)]
+    assert (hooked - zeroed).abs().max() < 1e-5 < 1 < (hooked - plain).abs().max()
+    assert (at2 - plain).abs().max() > 1e-3 and (at2 - hooked).abs().max() > 1e-3  # iteration 2 only: neither extreme
+    assert torch.equal(first[0], model.states(x)[0])  # iteration 1 untouched
+    assert all(not m._forward_pre_hooks for m in model.modules())  # the original keeps no hook
