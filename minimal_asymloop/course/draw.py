@@ -156,6 +156,7 @@ def asymloop_figure(n_iter: int = 3, highlight: str | None = None) -> Figure:
     cv.arrow((hx + 0.775, 1.95), (hx + 0.775, 1.35), head)
     cv.text(hx + 0.775, 5.2, "every layer's mask\n$(N, 2N)$, $N=3$:", att, size=FONT - 1)
     _mask_inset(cv, hx + 0.175, 4.0, 0.2)
+    cv.text(hx + 0.775, 3.8, "row $i$: query $i$; filled: visible", att, size=FONT - 2)
     cv.text(width / 2, height - 0.3, f"AsymLoop unrolled, $K={n_iter}$: the $D$ decoder layers run $K$ times, "
             "weights shared across iterations", None, size=FONT + 1.5)
     return cv.fig
