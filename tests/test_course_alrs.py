@@ -226,3 +226,14 @@ def test_replay_checks_a_live_run_against_the_study_only_where_it_can(monkeypatc
     assert "NOT checked" in capsys.readouterr().out
     assert C.replay(live, RES, ("uniform",), 123.0, "cpu")[0] == {"uniform": None}  # no such run in the study
     assert "nothing to check against" in capsys.readouterr().out
+
+
+def test_alpha_agreement_is_one_for_identical_seeds_and_reads_the_study():
+    rho, drift = C.alpha_agreement(RES, C.best_lr(RES, "alrs"))
+    assert len(rho) == 3 and all(-1 <= r <= 1 for r in rho) and drift > 0
+    same = json.loads(json.dumps(RES))  # every seed's records replaced by seed 0's: the ranks agree exactly
+    runs = C.runs_of(same, "alrs", C.best_lr(same, "alrs"))
+    for s in runs:
+        runs[s]["alrs_records"] = runs[0]["alrs_records"]
+    assert C.alpha_agreement(same, C.best_lr(same, "alrs"))[0] == pytest.approx([1.0, 1.0, 1.0])
+    assert max(rho) < 0.9  # the study's seeds do not rank the blocks alike (0.12-0.50 when written)

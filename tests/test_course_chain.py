@@ -61,7 +61,9 @@ def test_figures_build_without_pyplot(ctx):
 def test_live_title_follows_the_run():
     live = {"K=1": [(500, {1: 1.0, 2: 1.0, 3: 0.6})], "K=2": [(625, {1: 1.0, 2: 1.0, 3: 0.995})]}
     title = chain.live_title(live, 3, 1000, 0.99)
-    assert "K=2 converges at step 625" in title and "K=1 does not (3-hop 0.60)" in title
+    assert "K=2 converges at step 625" in title and "K=1 does not converge (3-hop 0.6000 < 0.99)" in title
+    near = chain.live_title({"K=2": [(1000, {1: 1.0, 2: 0.9999, 3: 0.98955})]}, 3, 1000, 0.99)
+    assert "K=2 does not converge (3-hop 0.9896 < 0.99)" in near  # just below the bar does not print as 0.99
     flipped = chain.live_title({"K=1": live["K=2"], "K=2": live["K=1"]}, 3, 1000, 0.99)
     assert "K=1 converges" in flipped and "K=2 does not" in flipped  # the title is the run's, not hard-coded
 

@@ -373,9 +373,9 @@ def plot_chain_frontier(runs: list[dict], n: int) -> Figure:
                         fontsize=7)
         ax.plot([r["flops_vs_max"] for r in ad], [wrong(r) for r in ad], "o-", c="C1", ms=4,
                 label="exit rule, one dot per τ (larger τ: left)")
-        for r in (ad[0], ad[-1]):  # the smallest and largest τ
-            ax.annotate(f"τ={r['tau']:g}", (r["flops_vs_max"], wrong(r)), textcoords="offset points", xytext=(2, -11),
-                        fontsize=7, color="C1")
+        for r, dy in ((ad[0], -18), (ad[-1], 16)):  # the smallest τ (right) labelled below, the largest (left) above
+            ax.annotate(f"τ={r['tau']:g}", (r["flops_vs_max"], wrong(r)), textcoords="offset points", xytext=(0, dy),
+                        fontsize=7, color="C1", ha="center", va="center", arrowprops=dict(arrowstyle="-", color="C1", lw=0.6))
         alone = [r for r in ad if beaten_by_fixed(run, "flops_vs_max", "acc", n)[r["tau"]] is None]
         ax.plot([r["flops_vs_max"] for r in alone], [wrong(r) for r in alone], "o", mfc="none", mec="r", ms=10,
                 label="no fixed K as accurate for no more FLOPs")

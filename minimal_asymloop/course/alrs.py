@@ -102,6 +102,23 @@ def within_seed(res: dict, arm: str, lr: float, key: str = "val_loss") -> np.nda
     return np.array([got[s][key] - base[s][key] for s in res["setting"]["seeds"] if s in got and s in base])
 
 
+def alpha_agreement(res: dict, lr: float) -> tuple[list[float], float]:
+    """Does ALRS's allocation among the blocks repeat? Spearman's rank correlation of the block matrices' alphas at
+    the last allocation, for each pair of seeds of the arm "alrs" at lr; and the median, over those matrices, of one
+    alpha's sd over the allocations of one run (the first seed). Embedding and head (pinned) are left out."""
+    from scipy import stats
+
+    from minimal_asymloop import alrs
+
+    runs = runs_of(res, "alrs", lr)
+    seeds = sorted(runs)
+    names = [k for k in runs[seeds[0]]["alrs_records"][-1]["alpha"] if k not in alrs.TOP_NAMES]
+    last = {s: [runs[s]["alrs_records"][-1]["alpha"][k] for k in names] for s in seeds}
+    rho = [float(stats.spearmanr(last[a], last[b]).statistic) for i, a in enumerate(seeds) for b in seeds[i + 1:]]
+    over_time = np.array([[r["alpha"][k] for k in names] for r in runs[seeds[0]]["alrs_records"]])
+    return rho, float(np.median(over_time.std(0, ddof=1)))
+
+
 def mp_edges(eigenvalues, shape: tuple[int, int]) -> tuple[float, float]:
     """The Marchenko–Pastur bulk [λ−, λ+] of WᵀW for an i.i.d. random W of this shape and the same Frobenius norm."""
     n, m = max(shape), min(shape)

@@ -58,8 +58,8 @@ def fig_sampler(samples: list[int], mean: float = 3.0, cap: int = 8) -> Figure:
         p = s.pmf()
         ax.bar([k + (j - 1) * 0.27 for k in ks], [p.get(k, 0) for k in ks], width=0.27, label=name, alpha=0.85,
                color=KIND_COLORS[s.kind])
-    ax.plot(list(ks), [samples.count(k) / len(samples) for k in ks], "k_", ms=22, mew=2,
-            label=f"my_draw's {len(samples):,} draws (share per K)")
+    ax.plot([k + 0.27 for k in ks], [samples.count(k) / len(samples) for k in ks], "k_", ms=9, mew=2,
+            label=f"my_draw's {len(samples):,} draws (share per K), on the log-normal bars")
     ax.set(xlabel="K drawn for one optimizer step", ylabel="probability", xticks=list(ks),
            title="Three ways to draw K, each with mean parameter 3 (E[K] about 3)")
     ax.legend(fontsize=8, frameon=False)
