@@ -105,7 +105,9 @@ def within_seed(res: dict, arm: str, lr: float, key: str = "val_loss") -> np.nda
 def alpha_agreement(res: dict, lr: float) -> tuple[list[float], float]:
     """Does ALRS's allocation among the blocks repeat? Spearman's rank correlation of the block matrices' alphas at
     the last allocation, for each pair of seeds of the arm "alrs" at lr; and the median, over those matrices, of one
-    alpha's sd over the allocations of one run (the first seed). Embedding and head (pinned) are left out."""
+    alpha's sd over the allocations of one run (the first seed), each allocation centred on its blocks' mean alpha and
+    the one at step 0 (the init) left out, so the blocks' common drift during training does not count. Embedding and
+    head (pinned) are left out."""
     from scipy import stats
 
     from minimal_asymloop import alrs
@@ -115,8 +117,9 @@ def alpha_agreement(res: dict, lr: float) -> tuple[list[float], float]:
     names = [k for k in runs[seeds[0]]["alrs_records"][-1]["alpha"] if k not in alrs.TOP_NAMES]
     last = {s: [runs[s]["alrs_records"][-1]["alpha"][k] for k in names] for s in seeds}
     rho = [float(stats.spearmanr(last[a], last[b]).statistic) for i, a in enumerate(seeds) for b in seeds[i + 1:]]
-    over_time = np.array([[r["alpha"][k] for k in names] for r in runs[seeds[0]]["alrs_records"]])
-    return rho, float(np.median(over_time.std(0, ddof=1)))
+    over_time = np.array([[r["alpha"][k] for k in names] for r in runs[seeds[0]]["alrs_records"] if r["step"] > 0])
+    centred = over_time - over_time.mean(1, keepdims=True)
+    return rho, float(np.median(centred.std(0, ddof=1)))
 
 
 def mp_edges(eigenvalues, shape: tuple[int, int]) -> tuple[float, float]:
@@ -213,7 +216,9 @@ def plot_esd(spectra: dict, name: str, shape: tuple[int, int], tags: dict[str, s
     for ax, (tag, label) in zip(axes, tags.items()):
         e = np.array(spectra[tag]["eigenvalues"][name])
         lo, hi = mp_edges(e, shape)
-        ax.hist(e, bins=24, density=True, color="C0", alpha=0.7, label="eigenvalues (histogram)")
+        width = hi / 16  # bins aligned to λ+: no bar straddles the edge, so bars right of it are beyond it
+        ax.hist(e, bins=np.arange(0, e.max() + width, width), density=True, color="C0", alpha=0.7,
+                label="eigenvalues (histogram)")
         x = np.linspace(0, max(e.max(), hi) * 1.05, 400)
         ax.plot(x, mp_density(x, lo, hi, shape), "k-", lw=1.5, label="random matrix (MP bulk)")
         ax.axvline(hi, color="r", ls=":", lw=1.5, label="bulk edge λ+")
