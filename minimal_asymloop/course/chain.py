@@ -310,11 +310,9 @@ def plot_live(live: dict, title: str, plateau: dict | None = None, rule: dict | 
 def live_title(live: dict, seed: int, max_steps: int, converged: float) -> str:
     """The live figure's title, from the runs: which variants converged within max_steps, and where the others end."""
     parts = []
-    for label, curve in live.items():
-        step, acc = curve[-1]
-        ok = min(acc.values()) >= converged
+    for label, (step, acc) in ((label, curve[-1]) for label, curve in live.items()):
         worst = min(acc, key=acc.get)  # the hop count furthest from the bar, to four digits: 0.9896 is not 0.99
-        parts.append(f"{label} converges at step {step:,}" if ok
+        parts.append(f"{label} converges at step {step:,}" if acc[worst] >= converged
                      else f"{label} does not converge ({worst}-hop {acc[worst]:.4f} < {converged:g})")
     return f"Live, seed {seed}, within {max_steps:,} steps: " + "; ".join(parts)
 
