@@ -153,7 +153,7 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
         ax.plot([i - 0.1] * len(d), d, "o", color="tab:blue", ms=7, alpha=0.7, label="ours, each seed" if i == 0 else None)
         p = paper_matched(base, asym)
         if p["Table 6"] is not None:
-            ax.plot(i + 0.1, p["Table 6"], "D", color="k", ms=7, label="paper, Table 6 (uniform LR, QKNorm)")
+            ax.plot(i + 0.1, p["Table 6"], "D", color="k", ms=7, label="paper, Table 6 (uniform LR, QKNorm; K = 1 as Dense: inferred)")
         if p["Table 7"] is not None:
             ax.plot(i + 0.1, p["Table 7"], "s", color="k", mfc="w", ms=8, label="paper, Table 7 (uniform LR, QKNorm)")
         if p["Table 8"] is not None:
@@ -218,7 +218,7 @@ def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
         falls = "lowers" if all((np.diff(runs.lens(n).mean(0)[:runs.n_iter(n)]) < 0).all() for n in rest) \
             else "does not always lower"
         verdict = ("rises in every model" if min(rise.values()) > 0 else "does not rise in every model") + \
-            f", least in {min(rise, key=rise.get)}"
+            f", least in {min(rise, key=rise.get)} (k = 8 against k = K)"
         ref = "" if init is None else f"; untrained: {np.mean(init):.2f}, off scale"
         ax.set(xlabel=xlabel + "\none iteration runs 2 blocks in AsymLoop, 4 in Full Loop",
                ylabel="loss, held-out windows (nats/token)",
