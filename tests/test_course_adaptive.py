@@ -68,6 +68,18 @@ def test_beaten_by_fixed_on_the_chain_counts_noise():
     assert C.beaten_by_fixed(seed0, "flops_vs_max", "acc", n=2048)[0.3] is None  # between K=2 and K=3
 
 
+def test_mix_acc_interpolates_between_fixed_depths_and_beats_the_one_unbeaten_threshold():
+    fixed = [dict(k=1, flops_vs_max=0.2, acc=0.5), dict(k=2, flops_vs_max=0.4, acc=0.9), dict(k=3, flops_vs_max=0.6, acc=0.8)]
+    assert C.mix_acc(fixed, 0.3) == pytest.approx(0.7)  # halfway between K=1 and K=2
+    assert C.mix_acc(fixed, 0.5) == pytest.approx(0.9)  # past K=2, K=2 alone beats any mix with the worse K=3
+    assert C.mix_acc(fixed, 0.1) == 0.0  # cheaper than every fixed K: nothing to mix
+    seed0 = RES["chain"]["runs"][0]  # tau=0.3: 8 wrong; the K=2/K=3 mix at its FLOPs about 3
+    assert (1 - C.mix_acc(seed0["fixed"], C.at_tau(seed0["adaptive"], 0.3)["flops_vs_max"])) * 2048 == pytest.approx(3.08, abs=0.01)
+    assert C.beaten_by_mix(seed0, n=2048)[0.3]
+    sweep = dict(fixed=fixed, adaptive=[dict(tau=0.1, flops_vs_max=0.3, acc=0.8), dict(tau=0.2, flops_vs_max=0.3, acc=0.6)])
+    assert C.beaten_by_mix(sweep, n=None) == {0.1: False, 0.2: True}  # above the mix's 0.7 at 0.3, and below it
+
+
 def test_train_more_scores_before_and_after_and_records_the_drawn_k():
     from minimal_asymloop import adaptive
     from minimal_asymloop.course import sampled_depth as SD

@@ -166,7 +166,7 @@ def plot_matched(runs: LMRuns, diffs: dict) -> Figure:
     ax.set(xlim=(-0.5, len(diffs) - 0.5), ylabel="AsymLoop − baseline, within seed\n(nats/token; below 0: AsymLoop better)",
            title=f"AsymLoop is ahead of its matched baseline\nin {sum((d < 0).sum() for d in diffs.values())} of "
                  f"{sum(len(d) for d in diffs.values())} (pair, seed) comparisons")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)  # below the axes: no point hidden
     fig.tight_layout()
     return fig
 
