@@ -295,3 +295,8 @@ def test_without_heads_is_zeroed_wo_columns_and_at_silences_one_iteration(ctx):
     assert (at2 - plain).abs().max() > 1e-3 and (at2 - hooked).abs().max() > 1e-3  # iteration 2 only: neither extreme
     assert torch.equal(first[0], model.states(x)[0])  # iteration 1 untouched
     assert all(not m._forward_pre_hooks for m in model.modules())  # the original keeps no hook
+    with torch.no_grad():
+        every = chain_build.without_heads(model, [0, 3], at={1, 2, 3})(x)[0]
+        two = chain_build.without_heads(model, [0, 3], at={2, 3})(x)[0]
+    assert torch.equal(every, hooked)  # a set of every iteration is None's "always"
+    assert (two - at2).abs().max() > 1e-3 and (two - hooked).abs().max() > 1e-3  # iterations 2 and 3: another model

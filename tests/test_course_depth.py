@@ -219,3 +219,15 @@ def test_context_figure_draws_each_variant_by_its_run_name():
     assert text.count("come from $z_{k-1}+H$") == 1 and text.count("come from $z_{k-1}$ ") == 2  # additive's input adds H
     assert "Dec\nk=5" in " ".join(t.get_text() for t in depth.context_figure(n_iter=5).axes[0].texts)
     assert plt.get_fignums() == []
+
+
+def test_replay_check_passes_the_stored_steps_and_catches_a_changed_first_step(runs, monkeypatch, capsys):
+    monkeypatch.setattr(depth, "source_identity", lambda *a: runs.setting["data_identity"])  # as on the stored corpus
+    live = {n: {"train_loss": [list(x) for x in runs.runs[(n, 0)]["train_loss"][:10]]} for n in depth.LIVE_ARMS}
+    depth.replay_check(runs, live, seed=0, steps=10)  # the stored steps themselves: gaps 0
+    assert "steps 1-5: 0e+00" in capsys.readouterr().out
+    live["asymloop_k3"]["train_loss"][2][1] += 1e-3  # step 3 moved: not the stored run
+    with pytest.raises(AssertionError, match="not the stored run's first steps"):
+        depth.replay_check(runs, live, seed=0, steps=10)
+    monkeypatch.setattr(depth, "source_identity", lambda *a: "another corpus")  # elsewhere the gaps are printed only
+    depth.replay_check(runs, live, seed=0, steps=10)

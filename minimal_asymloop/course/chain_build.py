@@ -245,19 +245,21 @@ def k1_without_global_is_dense(task: ChainTask, seeds=(0, 1, 2)) -> float:
     return gap
 
 
-def without_heads(model: LoopedLM, heads, at: int | None = None) -> LoopedLM:
-    """A copy of `model` whose decoder attention heads `heads` are silent at iteration `at` (None: every iteration):
+def without_heads(model: LoopedLM, heads, at: int | set | None = None) -> LoopedLM:
+    """A copy of `model` whose decoder attention heads `heads` are silent at iteration `at` (a set: at each of those
+    iterations; None: every iteration):
     a forward pre-hook on each decoder layer's output projection `wo` zeroes those heads' slice of its input, which is
     the same as zeroing their columns of `wo.weight`. `at` counts calls, so every forward must run the trained K.
     The model itself is not changed."""
     m2 = copy.deepcopy(model)
     hd, n_iter = m2.config.d_model // m2.config.n_head, m2.config.n_iter
+    ats = None if at is None else {at} if isinstance(at, int) else set(at)
     for blk in m2.decoder:
         calls = [0]
 
         def silence(module, args, calls=calls):  # runs before wo, once per decoder iteration
             calls[0] += 1
-            if at is None or (calls[0] - 1) % n_iter == at - 1:
+            if ats is None or (calls[0] - 1) % n_iter + 1 in ats:
                 y = args[0].clone()
                 for h in heads:
                     y[..., h * hd:(h + 1) * hd] = 0

@@ -22,6 +22,7 @@ from minimal_asymloop.flops import count_params
 from minimal_asymloop.model import ModelConfig
 from minimal_asymloop.paths import RESULTS
 from minimal_asymloop.probes import logit_lens
+from minimal_asymloop.sources import source_identity
 
 # The paper (Liang et al., 2026), 60M models, 1.68B tokens. Validation perplexity unless said otherwise.
 # Table 3 (matched depth): the table names no learning-rate recipe. Section 3.3: "We use the layerwise learning-rate
@@ -325,8 +326,7 @@ def matched_table(runs: LMRuns, diffs: dict):
 
 def train_gap(runs: LMRuns, name, ref, seed, window=20) -> np.ndarray:
     """Training loss of `name` minus `ref`'s in one seed, each averaged over the `window` steps up to step window..end."""
-    def smooth(n):
-        return np.convolve([x[1] for x in runs.runs[(n, seed)]["train_loss"]], np.ones(window) / window, mode="valid")
+    smooth = lambda n: np.convolve([x[1] for x in runs.runs[(n, seed)]["train_loss"]], np.ones(window) / window, "valid")  # noqa: E731
     return smooth(name) - smooth(ref)
 
 
@@ -341,9 +341,7 @@ def per_seed_table(runs: LMRuns, names):
 
 
 # ----------------------------------------------------------------------------- the live run of section 3
-
-# AsymLoop K=3 with Global KV, and the same model without it (context="none": Local KV only, z_0 = H)
-LIVE_ARMS = {"asymloop_k3": {}, "asymloop_k3_no_global": ex.CONTEXTS["no_global"]}
+LIVE_ARMS = {"asymloop_k3": {}, "asymloop_k3_no_global": ex.CONTEXTS["no_global"]}  # without: Local KV only, z_0 = H
 LIVE_LABEL = {"asymloop_k3": "with Global KV", "asymloop_k3_no_global": "without Global KV"}
 
 
@@ -362,6 +360,18 @@ def train_live(runs: LMRuns, steps: int = 60, seed: int = 0, names=tuple(LIVE_AR
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def replay_check(runs: LMRuns, live: dict, seed: int, steps: int) -> None:
+    """Each live run against its seed's stored run: the largest training-loss gap at steps 1-5 (asserted under 1e-4
+    where the corpus is the stored runs') and at steps 1-`steps` (printed: runs on CPUs that round differently part)."""
+    same = source_identity("stdlib", None) == runs.setting["data_identity"]  # the corpus depends on the Python version
+    print("the stored runs' corpus:", same, "(if not, the gaps below are not checked)")
+    for n in LIVE_ARMS:
+        mine, stored = [x[1] for x in live[n]["train_loss"]], [x[1] for x in runs.runs[(n, seed)]["train_loss"][:steps]]
+        first, drift = (np.abs(np.subtract(mine[:m], stored[:m])).max() for m in (5, steps))
+        print(f"{n:>22}: largest |live - stored| training loss, steps 1-5: {first:.0e}; steps 1-{steps}: {drift:.0e}")
+        assert first < 1e-4 or not same, "not the stored run's first steps: another schedule, corpus or torch version"
 
 
 def _train_one(name: str, total: int, steps: int, seed: int) -> dict:
