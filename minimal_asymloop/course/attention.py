@@ -273,11 +273,11 @@ def joint_attention_layer(attn, x, kv_glob, probs=joint_softmax):
     return (probs(s) @ torch.cat([v_g, v], dim=-2)).transpose(1, 2).flatten(2) @ attn.wo.weight.T
 
 
-def decoder_layer(blk, z, kv_glob, probs=joint_softmax):
-    return block(blk, z, lambda a: joint_attention_layer(blk.attn, a, kv_glob, probs))
+def decoder_layer(blk, z, kv_glob, probs=None):  # probs None: joint_softmax
+    return block(blk, z, lambda a: joint_attention_layer(blk.attn, a, kv_glob, probs or joint_softmax))
 
 
-def decoder_loop(model, H, n_iter: int, global_from_state: bool = False, probs=joint_softmax):  # [z_1, ..., z_K]
+def decoder_loop(model, H, n_iter: int, global_from_state: bool = False, probs=None):  # [z_1, ..., z_K]
     kv = global_kv(model, H)  # once, before the loop
     z, states = H, []
     for _ in range(n_iter):
