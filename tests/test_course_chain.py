@@ -262,14 +262,6 @@ def test_shares_check_takes_the_halves_apart(ctx):
     assert not build.passes(check, interleaved) and not build.passes(check, global_only)
 
 
-def test_fresh_k_figure_titles_the_range_and_draws_the_plateau():
-    fresh = {("asymloop_k3", 0, 1): {1: 1.0, 2: 0.98, 3: 0.24}, ("asymloop_k3", 0, 2): {1: 1.0, 2: 1.0, 3: 0.97},
-             ("asymloop_k3_no_local", 1, 1): {1: 1.0, 2: 1.0, 3: 0.38}, ("asymloop_k3_no_local", 1, 2): {1: 1.0, 2: 1.0, 3: 0.99}}
-    fig = chain.plot_fresh_k(fresh, {2: 0.63, 3: 0.51})
-    assert "0.24-0.38" in fig._suptitle.get_text() and not plt.get_fignums()
-    assert (0.51, 0.51) in [tuple(line.get_ydata()) for line in fig.axes[1].get_lines()]
-
-
 def test_depth_figures_draw_the_plateau():
     grid = chain.ChainRuns("chain_task")
     fig = chain.plot_depth(grid, ["dense_l1", "asymloop_k2"], plateau={2: 0.63, 3: 0.51})

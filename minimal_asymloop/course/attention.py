@@ -133,7 +133,7 @@ def decoder_look_figure(shares: dict, acc: dict, chance: float):
     ax.set_xticks([3 * i + 0.5 for i in range(len(shares))], [f"{init} init" for init in shares])
     ax.set_ylim(0, 1.15)
     ax.set_ylabel("Global share of the mass")
-    ax.set_title("Where the attention mass sits depends on the init", fontsize=FONT)
+    ax.set_title("Where the attention mass sits: the two runs differ (one seed per init)", fontsize=FONT)
     ax.legend(fontsize=FONT - 2.5, loc="upper center", ncol=3)
     names = list(next(iter(acc.values())))  # what is masked; a bar's colour: what is left (both, Local, Global)
     for i, (init, a) in enumerate(acc.items()):

@@ -405,30 +405,6 @@ def plot_lookups(look: dict, qhops) -> Figure:
     return fig
 
 
-def plot_fresh_k(fresh: dict, plateau: dict) -> Figure:
-    """The opened models {(name, seed, K): {hops: accuracy}} run at test-time K = 1 and 2: 2- and 3-hop accuracy,
-    one dot per model (blue: both halves, red: without Local KV); plateau: {hops: accuracy}, dashed."""
-    fig = Figure(figsize=(9, 3.6))
-    axes = fig.subplots(1, 2, sharey=True)
-    for ax, h in zip(axes, (2, 3)):
-        for (n, s, k), a in fresh.items():
-            both = n == "asymloop_k3"
-            ax.scatter(k + (-0.12 if both else 0.12) + 0.03 * (s - 1), a[h], s=40, color="tab:blue" if both else "tab:red",
-                       marker="o" if both else "s", label="both halves" if both else "without Local KV")
-        _plateau(ax, plateau[h])
-        ax.set(title=f"{h}-hop statements", xticks=(1, 2), xlim=(0.5, 2.5), ylim=(0, 1.05),
-               xlabel="iterations K at test time (trained: K = 3)")
-    axes[0].set_ylabel("accuracy, 1,024 fresh programs")
-    handles = dict(zip(*axes[0].get_legend_handles_labels()[::-1]))
-    axes[1].legend(handles.values(), handles, fontsize=8, loc="lower right")
-    k1 = [a[3] for (n, s, k), a in fresh.items() if k == 1]
-    fig.suptitle(f"Run at K = 1, every opened model keeps its 2-hop statements and gets {min(k1):.2f}-{max(k1):.2f} of "
-                 "the 3-hop ones;\nat K = 2 it gets them all back: two lookups take two iterations, with or without Local KV",
-                 fontsize=10)
-    fig.tight_layout()
-    return fig
-
-
 AGAIN = 1.5  # with both halves, iteration 2's share on j=1 must be at least this many times the uniform share
 
 
