@@ -68,8 +68,9 @@ def beaten_by_fixed(sweep: dict, x: str = "mean_iter", metric: str = "ce", n: in
 
 def mix_acc(fixed: list[dict], x: float, key: str = "flops_vs_max") -> float:
     """The best accuracy at cost `x` (in `key`) of a per-sequence mix of fixed depths: a share of the sequences runs at
-    one fixed K and the rest at another, so cost and accuracy both move linearly between the two (notebook 05's
-    frontier). One fixed K is a mix too."""
+    one fixed K and the rest at another, so cost and accuracy both move linearly between the two. One fixed K is a mix
+    too. The best pair may skip a depth; notebook 05's frontier (`sampled_depth._frontier`) joins adjacent depths only,
+    the same line wherever no fixed K falls below the line joining its neighbours."""
     pts = [(f[key], f["acc"]) for f in fixed]
     best = [a for c, a in pts if c <= x]
     best += [a1 + (a2 - a1) * (x - c1) / (c2 - c1) for c1, a1 in pts for c2, a2 in pts if c1 < x <= c2]

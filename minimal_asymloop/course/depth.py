@@ -326,7 +326,8 @@ def matched_table(runs: LMRuns, diffs: dict):
 
 def train_gap(runs: LMRuns, name, ref, seed, window=20) -> np.ndarray:
     """Training loss of `name` minus `ref`'s in one seed, each averaged over the `window` steps up to step window..end."""
-    smooth = lambda n: np.convolve([x[1] for x in runs.runs[(n, seed)]["train_loss"]], np.ones(window) / window, "valid")  # noqa: E731
+    def smooth(n):
+        return np.convolve([x[1] for x in runs.runs[(n, seed)]["train_loss"]], np.ones(window) / window, mode="valid")
     return smooth(name) - smooth(ref)
 
 
