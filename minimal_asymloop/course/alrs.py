@@ -51,7 +51,7 @@ def pipeline_figure() -> Figure:
         if i:
             ax.annotate("", xy=(x + 0.05, 2.0), xytext=(x - 0.45, 2.0), arrowprops=dict(arrowstyle="->"))
     ax.text(6.6, 0.5, "embedding and head: m = 5 whatever their alpha (He et al.'s code, alrs.TOP_NAMES);\n"
-            "their alphas are logged but kept out of the min/max (ours),\nso they do not move the other matrices' range",
+            "their alphas are logged but do not move the other matrices' range\n(He et al. set them to the largest of the others)",
             ha="center", va="center", fontsize=9, bbox=dict(boxstyle="round", fc="#F7E3C8", ec="k"))
     ax.annotate("", xy=(9.9, 1.5), xytext=(9.9, 0.8), arrowprops=dict(arrowstyle="->"))
     return fig

@@ -55,7 +55,8 @@ class LMRuns:
         self.gk = json.loads((RESULTS / "global_kv.json").read_text())
         self.setting, self.seeds = self.md["setting"], self.md["setting"]["seeds"]
         self.runs = {(r["name"], r["seed"]): r for r in self.md["runs"] + self.gk["runs"]}
-        self.tpp = self.setting["budget"]["tokens_per_param"]
+        # tokens per AsymLoop parameter (every one, embedding and head included): the basis of the paper's 17.6
+        self.tpp = self.setting["budget"]["tokens"] / self.runs[("asymloop_k3", self.seeds[0])]["params"]
 
     def have(self, name):
         return all((name, s) in self.runs for s in self.seeds)
@@ -76,11 +77,11 @@ class LMRuns:
         return max(1, round(ex.train_config(self.setting["steps"], 0, ".").warmup_frac * self.setting["steps"]))
 
     def describe(self):
-        s, b = self.setting, self.setting["budget"]
+        s = self.setting
         tc = ex.train_config(s["steps"], 0, ".")
         print(f"our runs: L={s['model']['n_layer']} blocks of width {s['model']['d_model']} (AsymLoop E=D=2), "
               f"QKNorm in every model, uniform LR {s['train']['lr']}, {s['steps']} steps x {s['train']['global_batch']} x "
-              f"{s['train']['seq_len']} tokens = {b['tokens_per_param']:.1f} tokens/param "
+              f"{s['train']['seq_len']} tokens = {self.tpp:.1f} tokens per AsymLoop parameter "
               f"(the paper's 60M: {paper_tokens_per_param():.1f}); seeds {self.seeds}")
         print(f"  schedule: linear warm-up over steps 1-{self.warmup()}, then cosine from the peak {s['train']['lr']} "
               f"down to {tc.min_lr_ratio:g} x peak at step {s['steps']}")
