@@ -61,11 +61,11 @@ def test_figures_build_without_pyplot(ctx):
 def test_live_title_follows_the_run():
     live = {"K=1": [(500, {1: 1.0, 2: 1.0, 3: 0.6})], "K=2": [(625, {1: 1.0, 2: 1.0, 3: 0.995})]}
     title = chain.live_title(live, 3, 1000, 0.99)
-    assert "K=2 converges at step 625" in title and "K=1 does not converge (3-hop 0.6000 < 0.99)" in title
+    assert "K=2: 3-hop 0.99, converged at step 625" in title and "K=1: 3-hop 0.60;" in title + ";"
     near = chain.live_title({"K=2": [(1000, {1: 1.0, 2: 0.9999, 3: 0.98955})]}, 3, 1000, 0.99)
-    assert "K=2 does not converge (3-hop 0.9896 < 0.99)" in near  # just below the bar does not print as 0.99
+    assert "K=2: 3-hop 0.99, just short of the bar (3-hop 0.9896 < 0.99)" in near  # 0.9896 does not print as 0.99
     flipped = chain.live_title({"K=1": live["K=2"], "K=2": live["K=1"]}, 3, 1000, 0.99)
-    assert "K=1 converges" in flipped and "K=2 does not" in flipped  # the title is the run's, not hard-coded
+    assert "K=1: 3-hop 0.99, converged" in flipped and "converged" not in flipped.split("K=2")[1]  # the run's, not fixed
 
 
 def test_live_figure_draws_each_variant_and_the_plateau():
@@ -143,12 +143,6 @@ def test_table_columns_line_up_when_five_seeds_converge(ctx, capsys):
     head, *rows = capsys.readouterr().out.splitlines()
     col = head.index("2-hop accuracy per seed")
     assert all(row[col:col + 4] == "1.00" for row in rows), rows  # a too-narrow steps column shifts the per-seed ones
-
-
-def test_lr_schedule_is_warmup_then_cosine_to_a_tenth():
-    grid = chain.ChainRuns("chain_task")
-    lr = chain.lr_schedule(grid, at=(599, 5999))
-    assert lr[599] == pytest.approx(grid.setting["lr"]) and lr[5999] == pytest.approx(0.1 * grid.setting["lr"])
 
 
 def test_load_trained_names_missing_weights(ctx):
@@ -260,6 +254,22 @@ def test_shares_check_takes_the_halves_apart(ctx):
     global_only = lambda a: chain_build.statement_shares(a) * torch.tensor([1.0, 0.0])[:, None]  # noqa: E731
     assert build.passes(check, chain_build.statement_shares)
     assert not build.passes(check, interleaved) and not build.passes(check, global_only)
+
+
+def test_silence_check_wants_each_heads_own_slice(ctx):
+    from minimal_asymloop.course import build
+    model = chain.load_trained(ctx, keys=[("asymloop_k3", 1)])[("asymloop_k3", 1)].cpu()
+    check = chain_build.silence_check(model, ctx.task, n=2)
+
+    def in_place(m, heads):  # a wrong version: hooks the model itself
+        for blk in m.decoder:
+            blk.attn.wo.register_forward_pre_hook(lambda module, args: (args[0] * 0,))
+        return m
+
+    assert build.passes(check, lambda m, hs: chain_build.without_heads(m, hs))
+    assert not build.passes(check, chain_build.silence_strided) and not build.passes(check, lambda m, hs: m)
+    assert not build.passes(check, lambda m, hs: in_place(copy.deepcopy(m), hs))  # silences every head: wrong logits
+    assert not build.passes(chain_build.silence_check(copy.deepcopy(model), ctx.task, n=2), in_place)
 
 
 def test_depth_figures_draw_the_plateau():

@@ -1,8 +1,9 @@
 """Notebook 03's task and its build: one program as the model sees it, the construction drawn block by block, the
 one-lookup-per-round resolver (the package's answer after r rounds on a small program, the check of the reader's
 version against it, the reference steps, a resolver's score by hops), the score of a rule that follows no chain (the
-plateau's reference), and one program's attention, statement by statement, at every decoder iteration;
-the check that this task's AsymLoop K = 1 without Global KV is Dense L = 2."""
+plateau's reference), one program's attention, statement by statement, at every decoder iteration, the check of the
+reader's head-silencing hook (and its wrong version), and the check that this task's AsymLoop K = 1 without Global KV
+is Dense L = 2."""
 
 import copy
 from dataclasses import replace
@@ -267,3 +268,37 @@ def without_heads(model: LoopedLM, heads, at: int | set | None = None) -> Looped
 
         blk.attn.wo.register_forward_pre_hook(silence)
     return m2
+
+
+def silence_check(model: LoopedLM, task: ChainTask, n: int = 4):
+    """A check of the reader's silence(model, heads) (raises AssertionError on a wrong one): on n check programs, for
+    heads [0], [1, 2] and [3], the copy's logits equal without_heads(model, heads)'s at every iteration, and `model`
+    itself is left unchanged."""
+    idx = task.batch(n, torch.Generator().manual_seed(CHECK_SEED))[0]
+
+    def check(f):
+        with torch.no_grad():
+            plain = model(idx)[0]
+            gap = max((f(model, hs)(idx)[0] - without_heads(model, hs)(idx)[0]).abs().max().item()
+                      for hs in ([0], [1, 2], [3]))
+            changed = (model(idx)[0] - plain).abs().max().item()
+        print(f"{getattr(f, '__name__', 'yours')}: largest logit gap to the package's without_heads {gap:.1e}")
+        assert changed == 0, "the model itself changed: silence a copy (copy.deepcopy) and hook that"
+        assert gap < 1e-5, f"logits {gap:.2f} off the package's: not the heads' slices of wo's input"
+    return check
+
+
+def silence_strided(model: LoopedLM, heads) -> LoopedLM:
+    """Notebook 03's wrong version of silence(model, heads): it takes head h as every n_head-th column of wo's input
+    (y[..., h::n_head]), not as the block of columns h * hd to (h + 1) * hd that the attention writes."""
+    quiet, n_head = copy.deepcopy(model), model.config.n_head
+
+    def before_wo(module, args):
+        y = args[0].clone()
+        for h in heads:
+            y[..., h::n_head] = 0
+        return (y,)
+
+    for block in quiet.decoder:
+        block.attn.wo.register_forward_pre_hook(before_wo)
+    return quiet
