@@ -287,9 +287,12 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     for i, (name, runs) in enumerate(chain.items()):
         _dots(right, i, [a for a, _, _ in runs], [s if c else None for _, s, c in runs], labels[name][1])
     right.set_xticks(range(len(chain)), [labels[n][0] for n in chain])
-    right.set_title("at most 6,000 steps: chain_task (left of the dashed line);\n"
-                    "chain_context, a later package version (right of the dashed line)", fontsize=9)
     later = [i for i, n in enumerate(chain) if n.endswith(" again")]
+    if later:
+        right.set_title("at most 6,000 steps: chain_task (left of the dashed line);\n"
+                        "chain_context, a later package version (right of the dashed line)", fontsize=9)
+    else:
+        right.set_title("at most 6,000 steps (chain_task)")
     if later and len(later) < len(chain):
         right.axvline(min(later) - 0.5, color="0.5", ls="--", lw=1)
     for ax in (left, right):
