@@ -112,7 +112,7 @@ def matched_depth(runs: LMRuns) -> dict:
     diffs = {(b, a): within(runs, a, b) for b, a in PAIRS if runs.have(a) and runs.have(b)}
     print("ΔCE = AsymLoop minus its matched-depth baseline (nats/token; below 0: AsymLoop better).\n"
           "The paper's columns, each difference within one table (60M: Tables 6-8 do not say it; their AsymLoop\n"
-          "  rows equal Table 4a's 60M values; 17.6 tokens/param from Section 4.1):\n"
+          "  rows equal Table 4a's 60M values; 17.6 tokens/param: Section 4.1's 1.68B tokens over Table 5's 95.4M):\n"
           "  Table 3: effect of recurrent depth; learning-rate recipe not stated\n"
           "  Table 6: Global KV and recurrent depth; uniform LR, QKNorm (our inference, not the paper's words: K = 1\n"
           "    w/o Global KV has Dense's architecture, as ours is, checked; a run other than Table 8's Dense,\n"
