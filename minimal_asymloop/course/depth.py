@@ -275,10 +275,9 @@ def variant_table(runs: LMRuns, ks=(1, 3, 5)):
             d = runs.loss(variant_name(v, k)) - runs.loss(f"asymloop_k{k}")
             cells.append(f"{d.mean():+.3f} ({'—' if p is None else f'{p[0]:+.3f}'})")
         print(f"{label:>19}" + "".join(f"{c:>18}" for c in cells))
-    print("paper: Table 6 (without Global KV), Table 7 (additive, K = 3), Table 4a (without Local KV); uniform LR, "
-          "QKNorm (Table 4a's recipe inferred: its w/o Global KV value equals Table 7's); Tables 6 and 7 state no "
-          "size (60M inferred: their AsymLoop rows equal Table 4a's), "
-          f"{paper_tokens_per_param():.1f} tokens/param at 60M. Ours: {runs.tpp:.1f}. At K = 1 two variants are Dense.")
+    print("paper: Table 6 (without Global KV), Table 7 (additive, K = 3), Table 4a (without Local KV); uniform LR, QKNorm "
+          "(for Table 4a inferred: its w/o Global KV equals Table 7's); Tables 6, 7 state no size (60M inferred: their "
+          f"AsymLoop rows equal 4a's), {paper_tokens_per_param():.1f} tokens/param at 60M. Ours: {runs.tpp:.1f}. At K = 1 two are Dense.")
 
 
 def plot_variants(runs: LMRuns, ks=(1, 3, 5)) -> Figure:
