@@ -82,13 +82,12 @@ def _chain(accs):
 def test_figures_build_and_count_converged_seeds():
     assert isinstance(tour.architectures_figure(), Figure)
     res = _fake_result([0.5, 0.6, 0.5, 0.45, 0.5], [0.99, 1.0, 0.97, 0.52, 0.995], [500, 750, None, None, 1000])
-    again = [(1.0, 5000, True)] * 4 + [(0.5, 6000, False)]  # a later version's K = 3 runs: counted apart
-    fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "asymloop_k3 again": again})
+    fig = tour.seeds_figure(res, _chain([0.5] * 5))
     title = fig._suptitle.get_text()  # two lines: the converged counts, then the key
     assert title.startswith("Converged seeds, AsymLoop K = 3: 3/5 within 1,000 steps (left), 5/5 within 6,000 "
-                            "(chain_task), 4/5 on chain_context. K = 1: 0/5 and 0/5, the same budgets\n"), title
+                            "(chain_task). K = 1: 0/5 and 0/5, the same budgets\n"), title
     assert title.count("\n") == 1
-    assert "right" not in fig.axes[1].get_title().replace("right of the dashed line", "")  # one side named, one way
+    assert fig.axes[1].get_title() == "at most 6,000 steps (chain_task)"
     live = {k: dict(curve=r["curve"]) for k, r in ((1, res["runs"][0]), (3, res["runs"][5]))}
     assert len(tour.live_figure(live).axes) == 3
 
@@ -193,7 +192,7 @@ def test_a_check_changes_no_weight_and_training_moves_them():
     assert not same(tour.trained_weights(None, steps=3), unchecked)
 
 
-def test_figures_take_reference_lines_and_the_rerun_seeds():
+def test_figures_take_reference_lines_and_label_each_arm():
     acc = {s: {k: {2: 0.9, 3: 0.2 * k} for k in (1, 2, 3)} for s in (0, 1)}
     ax = tour.test_time_figure(acc, {1: 1.0, 2: 0.56, 3: 0.59}).axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()][-2:] == ["chance: 0.25", "no-chain rule, 3 hops: 0.59"]
@@ -201,8 +200,8 @@ def test_figures_take_reference_lines_and_the_rerun_seeds():
     assert zoomed.get_title() == "zoomed" and not any(
         w in t.get_text() for t in zoomed.get_legend().get_texts() for w in ("chance", "rule"))
     res = _fake_result([0.5] * 5, [0.5] * 5, [None] * 5)
-    fig = tour.seeds_figure(res, {**_chain([0.5] * 5), "asymloop_k3 again": [(1.0, 5000, True)] * 5})
-    assert [t.get_text() for t in fig.axes[1].get_xticklabels()][-1].startswith("AsymLoop K = 3\nagain")
+    fig = tour.seeds_figure(res, _chain([0.5] * 5))
+    assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == ["AsymLoop K = 1\n(depth 2)", "AsymLoop K = 3\n(depth 4)"]
 
 
 def test_check_seed_is_the_early_stops_and_the_rule_scores_those_programs():

@@ -252,8 +252,14 @@ def without_heads(model: LoopedLM, heads, at: int | set | None = None) -> Looped
     a forward pre-hook on each decoder layer's output projection `wo` zeroes those heads' slice of its input, which is
     the same as zeroing their columns of `wo.weight`. `at` counts calls, so every forward must run the trained K.
     The model itself is not changed."""
-    m2 = copy.deepcopy(model)
-    hd, n_iter = m2.config.d_model // m2.config.n_head, m2.config.n_iter
+    hd = model.config.d_model // model.config.n_head
+    return _zeroed_before_wo(model, [slice(h * hd, (h + 1) * hd) for h in heads], at)
+
+
+def _zeroed_before_wo(model: LoopedLM, cols, at: int | set | None = None) -> LoopedLM:
+    """A copy of `model` in which a forward pre-hook zeroes the columns `cols` (a list of slices) of each decoder
+    layer's `wo` input, at iteration `at` (as without_heads)."""
+    m2, n_iter = copy.deepcopy(model), model.config.n_iter
     ats = None if at is None else {at} if isinstance(at, int) else set(at)
     for blk in m2.decoder:
         calls = [0]
@@ -262,8 +268,8 @@ def without_heads(model: LoopedLM, heads, at: int | set | None = None) -> Looped
             calls[0] += 1
             if ats is None or (calls[0] - 1) % n_iter + 1 in ats:
                 y = args[0].clone()
-                for h in heads:
-                    y[..., h * hd:(h + 1) * hd] = 0
+                for c in cols:
+                    y[..., c] = 0
                 return (y,)
 
         blk.attn.wo.register_forward_pre_hook(silence)
@@ -291,14 +297,4 @@ def silence_check(model: LoopedLM, task: ChainTask, n: int = 4):
 def silence_strided(model: LoopedLM, heads) -> LoopedLM:
     """Notebook 03's wrong version of silence(model, heads): it takes head h as every n_head-th column of wo's input
     (y[..., h::n_head]), not as the block of columns h * hd to (h + 1) * hd that the attention writes."""
-    quiet, n_head = copy.deepcopy(model), model.config.n_head
-
-    def before_wo(module, args):
-        y = args[0].clone()
-        for h in heads:
-            y[..., h::n_head] = 0
-        return (y,)
-
-    for block in quiet.decoder:
-        block.attn.wo.register_forward_pre_hook(before_wo)
-    return quiet
+    return _zeroed_before_wo(model, [slice(h, None, model.config.n_head) for h in heads])

@@ -263,8 +263,8 @@ def _dots(ax, x, accs, steps, color):
 
 def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookFigure:
     """Left: depth_demo's 5 seeds at K = 1 and K = 3 (at most the demo's budget). Right: runs of up to 6,000 steps,
-    one column per arm of chain: chain_seeds' dict (arms dense_l2, dense_l4, asymloop_k1, asymloop_k3, full_loop_k2;
-    an arm named "<arm> again" is a later package version's runs of it, drawn right of a dashed line). Both panels:
+    one column per arm of chain: chain_seeds' dict (arms dense_l2, dense_l4, asymloop_k1, asymloop_k3, full_loop_k2).
+    Both panels:
     3-hop accuracy at the run's end on the 256 held-out programs of the early stop."""
     fig = NotebookFigure(figsize=(13, 4.8))
     left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[2, 2 + len(chain)]))
@@ -283,29 +283,19 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     labels = {"dense_l2": ("Dense L = 2\n(depth 2)", "0.3"), "dense_l4": ("Dense L = 4\n(depth 4)", "0.3"),
               "asymloop_k1": ("AsymLoop K = 1\n(depth 2)", K_COLORS[1]), "asymloop_k3": ("AsymLoop K = 3\n(depth 4)", K_COLORS[3]),
               "full_loop_k2": ("Full Loop\nL = 2, K = 2\n(depth 4)", "C4")}
-    labels |= {f"{n} again": (text.replace("\n(depth", "\nagain (depth"), c) for n, (text, c) in labels.items()}
     for i, (name, runs) in enumerate(chain.items()):
         _dots(right, i, [a for a, _, _ in runs], [s if c else None for _, s, c in runs], labels[name][1])
     right.set_xticks(range(len(chain)), [labels[n][0] for n in chain])
-    later = [i for i, n in enumerate(chain) if n.endswith(" again")]
-    if later:
-        right.set_title("at most 6,000 steps: chain_task (left of the dashed line);\n"
-                        "chain_context, a later package version (right of the dashed line)", fontsize=9)
-    else:
-        right.set_title("at most 6,000 steps (chain_task)")
-    if later and len(later) < len(chain):
-        right.axvline(min(later) - 0.5, color="0.5", ls="--", lw=1)
+    right.set_title("at most 6,000 steps (chain_task)")
     for ax in (left, right):
         ax.set_xlim(-0.5, ax.get_xticks()[-1] + 0.5)
         ax.set_ylim(0, 1.05)
         ax.set_xlabel("model (effective depth)")
     n3, n1 = (sum(s is not None for s in steps[k]) for k in (3, 1))
-    won = {n: f"{sum(c for _, _, c in chain[n])}/{len(chain[n])}" for n in ("asymloop_k3", "asymloop_k1", "asymloop_k3 again")
-           if n in chain}
+    won = {n: f"{sum(c for _, _, c in chain[n])}/{len(chain[n])}" for n in ("asymloop_k3", "asymloop_k1") if n in chain}
     line = f"Converged seeds, AsymLoop K = 3: {n3}/{len(steps[3])} within {demo['setting']['steps']:,} steps (left)"
     if {"asymloop_k3", "asymloop_k1"} <= set(won):
         line += f", {won['asymloop_k3']} within 6,000 (chain_task)"
-        line += f", {won['asymloop_k3 again']} on chain_context" if "asymloop_k3 again" in won else ""
         line += f". K = 1: {n1}/{len(steps[1])} and {won['asymloop_k1']}, the same budgets"
     else:
         line += f". K = 1: {n1}/{len(steps[1])}"
