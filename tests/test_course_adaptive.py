@@ -302,3 +302,19 @@ def test_lm_report_lists_every_recipe_and_the_sampled_runs_ahead_somewhere():
     assert text.count("closest threshold to fixed_k3's frontier") == text.count("closest threshold to its own") == 3
     assert text.count("CE at K=8 minus K=3") == 3
     assert text.count("below fixed_k3") == sum(min(r) < 0 for d in SD.within_seed(sd).values() for r in d["diff"])
+
+
+def test_vs_fixed_frontier_in_decoder_iterations_lets_an_exit_check_cost_nothing():
+    """cost="mean_iter" places each threshold by its mean decoder iterations, so the exit checks' FLOPs drop out: a
+    threshold that pays checks above the FLOP frontier can sit below the iteration frontier. On the stored runs the
+    fixed_k3 model's best threshold is below its own frontier in every seed in iterations, above it in FLOPs."""
+    from minimal_asymloop.course import sampled_depth as SD
+
+    fixed = [dict(k=k, mean_iter=float(k), flops_per_token=100.0 * k, ce=c) for k, c in zip((1, 2, 3), (5.0, 4.0, 3.0))]
+    ada = [dict(tau=0.1, mean_iter=2.5, flops_per_token=280.0, ce=3.4)]  # 30 FLOPs of checks over 2.5 iterations
+    toy = {"runs": [dict(task="lm", recipe="fixed_k3", seed=0, sweep=dict(fixed=fixed, adaptive=ada))]}
+    assert abs(SD.vs_fixed_frontier(toy)["fixed_k3"][0]["gap"] - (3.4 - 3.2)) < 1e-9  # frontier at 280 FLOPs: 3.2
+    assert abs(SD.vs_fixed_frontier(toy, cost="mean_iter")["fixed_k3"][0]["gap"] - (3.4 - 3.5)) < 1e-9  # at 2.5: 3.5
+    sd = json.loads((RESULTS / "sampled_depth.json").read_text())
+    flops, iters = (SD.vs_fixed_frontier(sd, own=True, cost=c)["fixed_k3"] for c in ("flops_per_token", "mean_iter"))
+    assert all(b["gap"] > 0 for b in flops) and all(b["gap"] < 0 for b in iters)

@@ -358,7 +358,7 @@ def plot_live(live: dict[str, list[dict]], stored: dict[str, dict | None], lr: f
             ax.plot(*zip(*st), "o", mfc="none", color=f"C{j}", ms=7, label=f"{ARM_LABELS[arm]}, the study's run")
     ax.set(xlabel="training step", ylabel="training loss (nats/token)",
            title=f"Live: the first {max(loss)} steps at base LR {lr:g}, seed 0, beside the study's runs")
-    ax.legend(fontsize=9, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))  # below the axes, covering no curve
+    ax.legend(fontsize=9, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.2))  # below the x label, covering no curve
     fig.tight_layout()
     return fig
 

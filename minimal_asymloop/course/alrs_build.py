@@ -81,3 +81,12 @@ def wrong_fails(check, wrong, label: str) -> None:
         print(f"wrong version, {label}: fails the check ({err})")
         return
     raise AssertionError(f"{label}: the check let a wrong version pass")
+
+
+def noise_and_signal(gen: torch.Generator, n: int = 384, m: int = 128, r: int = 32) -> list:
+    """Section 1's pair, drawn from `gen`: the eigenvalues of a Gaussian n x m matrix (entries of variance 1/n) and of
+    the same matrix plus a "learned" signal of r directions, direction i of strength 3/√i (a power law)."""
+    noise = torch.randn(n, m, generator=gen) / n ** 0.5
+    strengths = 3 * torch.arange(1, r + 1) ** -0.5
+    signal = (torch.randn(n, r, generator=gen) * strengths) @ torch.randn(r, m, generator=gen) / (n * m) ** 0.5
+    return [alrs.eigenvalues(W, torch.float64) for W in (noise, noise + signal)]

@@ -275,9 +275,9 @@ def variant_table(runs: LMRuns, ks=(1, 3, 5)):
             d = runs.loss(variant_name(v, k)) - runs.loss(f"asymloop_k{k}")
             cells.append(f"{d.mean():+.3f} ({'—' if p is None else f'{p[0]:+.3f}'})")
         print(f"{label:>19}" + "".join(f"{c:>18}" for c in cells))
-    print("paper: Table 6 (without Global KV), Table 7 (additive, K = 3), Table 4a (without Local KV); uniform LR, QKNorm "
-          "(for Table 4a inferred: its w/o Global KV equals Table 7's); Tables 6, 7 state no size (60M inferred: their "
-          f"AsymLoop rows equal 4a's), {paper_tokens_per_param():.1f} tokens/param at 60M. Ours: {runs.tpp:.1f}. At K = 1 two are Dense.")
+    print("paper: Table 6 (without Global KV), Table 7 (additive, K = 3), Table 4a (without Local KV); uniform LR, QKNorm (4a: "
+          "uniform LR stated in Section 4.5.1, QKNorm inferred: its w/o Global KV equals Table 7's); Tables 6, 7 state no size (60M "
+          f"inferred: AsymLoop rows = 4a's); {paper_tokens_per_param():.1f} tok/param at 60M, ours {runs.tpp:.1f}. At K = 1 two are Dense.")
 
 
 def plot_variants(runs: LMRuns, ks=(1, 3, 5)) -> Figure:
@@ -445,6 +445,6 @@ def plot_live_gap(runs: LMRuns, live: dict, seed: int = 0, window: int = 20) -> 
     axes[0].set_ylabel("training loss without − with\nGlobal KV (nats/token)")
     axes[min(runs.seeds.index(seed), len(axes) - 1)].legend(fontsize=9)
     fig.suptitle(f"Without Global KV, AsymLoop K=3 ends behind in {(final > 0).sum()} of {len(final)} seeds; the live "
-                 f"run retraces its seed's first steps\n(training loss averaged over the {window} steps up to each point; above 0: behind)")
+                 f"run starts as its seed's stored one\n(training loss averaged over the {window} steps up to each point; above 0: behind)")
     fig.tight_layout()
     return fig

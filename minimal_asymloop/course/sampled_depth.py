@@ -165,28 +165,31 @@ def check_cost(result: dict, task: str = "lm") -> tuple[float, float]:
     return (full[0]["flops_per_token"] - fixed[-1]) / (kmax - 1), fixed[1] - fixed[0]
 
 
-def _frontier(run: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(counted FLOPs per token, the lowest cross-entropy of any fixed K at no more FLOPs) of one run's fixed-K sweep."""
-    f = sorted((x["flops_per_token"], x["ce"]) for x in run["sweep"]["fixed"])
+def _frontier(run: dict, cost: str = "flops_per_token") -> tuple[np.ndarray, np.ndarray]:
+    """(cost per token, the lowest cross-entropy of any fixed K at no more cost) of one run's fixed-K sweep; cost is
+    counted FLOPs (exit checks included) or "mean_iter" (decoder iterations, checks free)."""
+    f = sorted((x[cost], x["ce"]) for x in run["sweep"]["fixed"])
     return np.array([a for a, _ in f]), np.minimum.accumulate([c for _, c in f])
 
 
-def vs_fixed_frontier(result: dict, task: str = "lm", own: bool = False) -> dict[str, list[dict]]:
+def vs_fixed_frontier(result: dict, task: str = "lm", own: bool = False,
+                      cost: str = "flops_per_token") -> dict[str, list[dict]]:
     """Per recipe and seed: the threshold closest to a fixed-K frontier, by counted FLOPs (checks included): `gap` = its
     cross-entropy minus the frontier's (the lowest loss of any fixed K, linearly interpolated between fixed depths: a
     per-sequence mix of two fixed K) at the same FLOPs. The frontier is that of the same seed's fixed-K=3 model
     (own=False: one yardstick for every recipe, so a worse model shows as a larger gap) or of the run's own model
-    (own=True: what the exit rule costs against that model run at fixed K). `gap` > 0: no threshold reaches it."""
+    (own=True: what the exit rule costs against that model run at fixed K). `gap` > 0: no threshold reaches it.
+    cost="mean_iter" measures cost in decoder iterations instead, so an exit check costs nothing."""
     runs = runs_of(result, task)
-    base = {r["seed"]: _frontier(r) for r in runs["fixed_k3"]}
+    base = {r["seed"]: _frontier(r, cost) for r in runs["fixed_k3"]}
     out = {}
     for recipe, rs in runs.items():
         for r in rs:
-            fl, ce = _frontier(r) if own else base[r["seed"]]
-            gaps = [(a["ce"] - np.interp(a["flops_per_token"], fl, ce), a) for a in r["sweep"]["adaptive"]]
+            fl, ce = _frontier(r, cost) if own else base[r["seed"]]
+            gaps = [(a["ce"] - np.interp(a[cost], fl, ce), a) for a in r["sweep"]["adaptive"]]
             gap, a = min(gaps, key=lambda g: g[0])
             out.setdefault(recipe, []).append(dict(seed=r["seed"], tau=a["tau"], ce=a["ce"], gap=float(gap),
-                                                   flops_vs_k3=a["flops_per_token"] / fl[2]))
+                                                   flops_vs_k3=a[cost] / fl[2]))
     return out
 
 

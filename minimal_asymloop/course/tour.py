@@ -73,7 +73,8 @@ def _stack(ax, x, names, colors, title, loop=None, global_kv=None):
         a, b, label = loop
         ax.add_patch(FancyArrowPatch((x + w / 2, ys[b] + hgt / 2), (x + w / 2, ys[a] + hgt / 2),
                                      connectionstyle="arc3,rad=-0.6", arrowstyle="->", mutation_scale=15, lw=2, color=COLORS["loop"]))
-        ax.text(x + w / 2 + 0.8, (ys[a] + ys[b] + hgt) / 2, label, color=COLORS["loop"], fontsize=12, va="center")
+        ax.text(x + w / 2 + 0.45 + 0.15 * (b - a + 1), (ys[a] + ys[b] + hgt) / 2, label, color=COLORS["loop"], fontsize=12,
+                va="center")  # outside the arc, which bulges more the more blocks it spans
     if global_kv:
         src, dsts = global_kv
         gkv = COLORS["global_kv"]
