@@ -69,3 +69,11 @@ def test_a_placeholder_that_raises_not_implemented_is_unwritten(capsys):
 
     assert yours_or_reference(my_states, _reference, _check) is _reference
     assert capsys.readouterr().out.startswith("my_states: your line is not written yet")
+
+
+def test_a_check_cell_run_again_on_the_reference_does_not_say_yours_passes(capsys):
+    """A define cell and a check cell apart: after the first run bound the name to the reference, running the check
+    cell alone hands in the reference itself. That must not be reported as the reader's version passing."""
+    assert yours_or_reference(_reference, _reference, _check, name="double") is _reference
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "still the reference" in out and "yours passes" not in out

@@ -302,3 +302,17 @@ def test_without_heads_is_zeroed_wo_columns_and_at_silences_one_iteration(ctx):
         two = chain_build.without_heads(model, [0, 3], at={2, 3})(x)[0]
     assert torch.equal(every, hooked)  # a set of every iteration is None's "always"
     assert (two - at2).abs().max() > 1e-3 and (two - hooked).abs().max() > 1e-3  # iterations 2 and 3: another model
+
+
+def test_no_local_claim_holds_iteration_3_to_j2_as_well(ctx):
+    """lookup_claims(local=False): iteration 1 on j=1, iterations 2 and 3 on j=2. A model whose iteration 3 goes back
+    to j=1 fails, though iterations 1 and 2 are right."""
+    import torch
+    _, qhops = chain.lookups(ctx, {})
+    stmt = torch.zeros(3, 1, 4, *qhops.shape, 4, 2)  # (K, layer, heads, programs, queries, J, halves)
+    stmt[0, 0, :, :, :, 1, 0] = 0.6  # iteration 1 on j=1, through Global
+    stmt[1, 0, :, :, :, 2, 0] = 0.6  # iteration 2 on j=2
+    stmt[2, 0, :, :, :, 2, 0] = 0.6  # iteration 3 on j=2
+    assert chain.lookup_claims({"stmt": stmt}, qhops, local=False)
+    stmt[2, 0, :, :, :, 2, 0], stmt[2, 0, :, :, :, 1, 0] = 0.1, 0.6  # iteration 3 back on j=1
+    assert not chain.lookup_claims({"stmt": stmt}, qhops, local=False)

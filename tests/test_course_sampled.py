@@ -60,8 +60,9 @@ def test_figures_build_with_titles_and_labels(chain):
 
     from minimal_asymloop.course.sampled_depth import KIND_COLORS
 
-    fig = B.fig_sampler(B.draws(B.draw, n=200))
+    fig = B.fig_sampler(B.draws(B.draw, n=200), who="the reference")
     assert fig.axes[0].get_title() and fig.axes[0].get_xlabel()
+    assert any("the reference: 200 draws" in t.get_text() for t in fig.axes[0].get_legend().get_texts())  # whose draws
     bars = [c for c in fig.axes[0].containers]  # fixed, uniform, log-normal: each in its colour of notebook 05's figures
     assert [to_hex(b[0].get_facecolor(), keep_alpha=False) for b in bars] == [
         to_hex(KIND_COLORS[k]) for k in ("fixed", "uniform", "lognormal_poisson")]

@@ -21,6 +21,10 @@ def yours_or_reference(yours, reference, check: Callable, name: str | None = Non
     which and why. `check` raises (AssertionError, or any error an unwritten line causes) on a wrong version. The
     reference must pass the same check: a check that fails on it is a bug here, raised, not hidden."""
     name = name or getattr(yours, "__name__", "your version")
+    if yours is reference:  # this cell run again, after an earlier run bound the name to the reference
+        print(f"{name}: this is still the reference {reference.__module__}.{reference.__name__}, not yours: run the "
+              "cell that defines yours, then this one")
+        return reference
     try:
         check(yours)
     except Exception as e:  # noqa: BLE001 (an unwritten line raises anything: TypeError, AttributeError, ...)

@@ -407,13 +407,13 @@ AGAIN = 1.5  # with both halves, iteration 2's share on j=1 must be at least thi
 
 def lookup_claims(lk: dict, qhops, local: bool) -> bool:
     """3-hop queries, mean over heads (S: both halves summed). Without Local KV: iteration 1 looks at j=1 and
-    iteration 2 at j=2, each with over 0.4 and over twice the other's share. With both halves: iteration 2 looks at
+    iterations 2 and 3 (where run) at j=2, each with over 0.4 and over twice the other's share. With both halves: iteration 2 looks at
     j=1 again (over AGAIN times the uniform share, 1.5 times its share on j=2), mostly through Local (twice its
     Global share)."""
     b = shares(lk, qhops, 3)
     s = b.sum(-1)
     if not local:
-        return bool(s[0, 1] > 0.4 and s[0, 1] > 2 * s[0, 2] and s[1, 2] > 0.4 and s[1, 2] > 2 * s[1, 1])
+        return bool(s[0, 1] > 0.4 and s[0, 1] > 2 * s[0, 2] and all(s[k, 2] > 0.4 and s[k, 2] > 2 * s[k, 1] for k in range(1, len(s))))
     return bool(s[1, 1] > AGAIN * uniform_share(qhops) and s[1, 1] > 1.5 * s[1, 2] and b[1, 1, 1] > 2 * b[1, 1, 0])
 
 

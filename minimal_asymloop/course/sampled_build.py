@@ -48,8 +48,9 @@ def check_draw(f):
                             f"(mean K yours {sum(got) / DRAWS:.2f}, the package's {sum(want) / DRAWS:.2f})")
 
 
-def fig_sampler(samples: list[int], mean: float = 3.0, cap: int = 8) -> Figure:
-    """P(K) of three samplers with E[K] = 3 (fixed, uniform 1..5, Huginn's), and the reader's draws as a histogram."""
+def fig_sampler(samples: list[int], mean: float = 3.0, cap: int = 8, who: str = "my_draw") -> Figure:
+    """P(K) of three samplers with E[K] = 3 (fixed, uniform 1..5, Huginn's), and the draws of `who` (the reader's, or
+    the reference's until the reader's line exists) as a histogram."""
     fig, ax = plt.subplots(figsize=(7.5, 3.3))
     ks = range(1, cap + 1)
     samplers = {"fixed K = 3": DepthSampler("fixed", 3), "uniform over 1..5": DepthSampler("uniform", lo=1, hi=5),
@@ -59,7 +60,7 @@ def fig_sampler(samples: list[int], mean: float = 3.0, cap: int = 8) -> Figure:
         ax.bar([k + (j - 1) * 0.27 for k in ks], [p.get(k, 0) for k in ks], width=0.27, label=name, alpha=0.85,
                color=KIND_COLORS[s.kind])
     ax.plot([k + 0.27 for k in ks], [samples.count(k) / len(samples) for k in ks], "k_", ms=9, mew=2,
-            label=f"my_draw's {len(samples):,} draws (share per K), on the log-normal bars")
+            label=f"{who}: {len(samples):,} draws (share per K), on the log-normal bars")
     ax.set(xlabel="K drawn for one optimizer step", ylabel="probability", xticks=list(ks),
            title="Three ways to draw K, each with mean parameter 3 (E[K] about 3)")
     ax.legend(fontsize=8, frameon=False)

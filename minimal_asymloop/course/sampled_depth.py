@@ -65,7 +65,7 @@ def fig_test_k(result: dict, hops: str = "3", title: str | None = None, chain: b
                   ylabel=f"accuracy on {hops}-hop statements", ylim=(0, 1.02))  # the whole range: 0.5 is guessing
         axes.append(ch_ax)
     for ax in axes:
-        ax.axvline(3, ls=":", c="gray")
+        ax.axvline(3, ls=":", c="gray", label="trained K (3)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1 if chain else 2)
     if title and not chain:  # one panel: one title
