@@ -143,7 +143,7 @@ def test_vs_fixed_frontier_measures_the_gap_at_equal_flops():
                          sweep=dict(fixed=worse, adaptive=[dict(tau=0.1, flops_per_token=300.0, ce=4.2)]))]}
     best = SD.vs_fixed_frontier(toy)["fixed_k3"][0]
     assert best["tau"] == 0.01 and abs(best["gap"] - (2.9 - 3.0)) < 1e-9  # past K=3 the frontier stays at K=3's 3.0
-    assert abs(SD.vs_fixed_frontier(toy)["fixed_k3"][0]["flops_vs_k3"] - 350 / 300) < 1e-9
+    assert abs(SD.vs_fixed_frontier(toy)["fixed_k3"][0]["cost_vs_k3"] - 350 / 300) < 1e-9
     assert abs(SD.vs_fixed_frontier(toy)["uniform_k1_5"][0]["gap"] - 1.2) < 1e-9  # against fixed_k3's 3.0
     assert abs(SD.vs_fixed_frontier(toy, own=True)["uniform_k1_5"][0]["gap"] - 0.2) < 1e-9  # against its own 4.0
 

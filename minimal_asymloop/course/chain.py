@@ -407,8 +407,8 @@ AGAIN = 1.5  # with both halves, iteration 2's share on j=1 must be at least thi
 
 def lookup_claims(lk: dict, qhops, local: bool) -> bool:
     """3-hop queries, mean over heads (S: both halves summed). Without Local KV: iteration 1 looks at j=1 and
-    iterations 2 and 3 (where run) at j=2, each with over 0.4 and over twice the other's share. With both halves: iteration 2 looks at
-    j=1 again (over AGAIN times the uniform share, 1.5 times its share on j=2), mostly through Local (twice its
+    iterations 2 and 3 (where run) at j=2, each with over 0.4 and over twice the other's share. With both halves: iteration 2 still looks at
+    j=1 (over AGAIN times the uniform share, 1.5 times its share on j=2), mostly through Local (twice its
     Global share)."""
     b = shares(lk, qhops, 3)
     s = b.sum(-1)

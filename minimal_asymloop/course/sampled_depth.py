@@ -179,7 +179,8 @@ def vs_fixed_frontier(result: dict, task: str = "lm", own: bool = False,
     per-sequence mix of two fixed K) at the same FLOPs. The frontier is that of the same seed's fixed-K=3 model
     (own=False: one yardstick for every recipe, so a worse model shows as a larger gap) or of the run's own model
     (own=True: what the exit rule costs against that model run at fixed K). `gap` > 0: no threshold reaches it.
-    cost="mean_iter" measures cost in decoder iterations instead, so an exit check costs nothing."""
+    cost="mean_iter" measures cost in decoder iterations instead, so an exit check costs nothing; `cost_vs_k3` is the
+    threshold's cost over fixed K=3's, in that unit."""
     runs = runs_of(result, task)
     base = {r["seed"]: _frontier(r, cost) for r in runs["fixed_k3"]}
     out = {}
@@ -189,7 +190,7 @@ def vs_fixed_frontier(result: dict, task: str = "lm", own: bool = False,
             gaps = [(a["ce"] - np.interp(a[cost], fl, ce), a) for a in r["sweep"]["adaptive"]]
             gap, a = min(gaps, key=lambda g: g[0])
             out.setdefault(recipe, []).append(dict(seed=r["seed"], tau=a["tau"], ce=a["ce"], gap=float(gap),
-                                                   flops_vs_k3=a[cost] / fl[2]))
+                                                   cost_vs_k3=a[cost] / fl[2]))
     return out
 
 
@@ -369,7 +370,7 @@ def lm_report(result: dict) -> str:
               for r, d in within_seed(result).items() for s, row in zip(d["seeds"], d["diff"]) if min(row) < 0]
     for own, what in ((False, "fixed_k3's frontier"), (True, "its own frontier")):
         lines += [f"{r:>12} closest threshold to {what}: " + "; ".join(
-            f"seed {b['seed']} tau={b['tau']:g} FLOPs {b['flops_vs_k3']:.2f} x K=3 {b['gap']:+.4f}" for b in rows)
+            f"seed {b['seed']} tau={b['tau']:g} FLOPs {b['cost_vs_k3']:.2f} x K=3 {b['gap']:+.4f}" for b in rows)
             for r, rows in vs_fixed_frontier(result, own=own).items()]
     lines.append("peak training memory at the largest K (MiB): "
                  + str({r: round(m["peak_bytes_at_largest_k"] / 2**20) for r, m in result["memory"].items()}))
