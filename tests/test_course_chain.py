@@ -103,6 +103,8 @@ def test_lookup_figure_names_both_uniform_references(ctx):
     b = chain.shares(look[("asymloop_k3", 0)], qhops, 3)
     assert len(summed) == 1 and np.allclose(summed[0].get_ydata(), b[:, 1].sum(-1))
     assert not [ln for ln in fig.axes[1].lines if ln.get_label() == "j=1, both halves summed"]
+    assert not [ln for ln in fig.axes[1].lines if "via Local" in ln.get_label()]  # no Local half: no Local line
+    assert len([ln for ln in fig.axes[0].lines if "via Local" in ln.get_label()]) == 2
 
 
 def _resolve(text, passes):  # one pass resolves every statement whose right-hand side is a digit or already resolved

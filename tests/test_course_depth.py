@@ -160,7 +160,7 @@ def test_lens_titles_say_what_each_panel_shows(runs, monkeypatch):
     names = ["asymloop_k3", "asymloop_k5", "asymloop_k3_additive", "asymloop_k5_additive"]
     left, right = depth.plot_lens(runs, names).axes
     rise = {n: (runs.lens(n)[:, -1] - runs.lens(n)[:, runs.n_iter(n) - 1]).mean() for n in names}
-    assert f"least in {min(names[:2], key=rise.get)}" in left.get_title()
+    assert "least in" not in left.get_title()  # k = 8 is 5 extra iterations at K = 3, 3 at K = 5: not comparable
     assert ("rises in every model" in left.get_title()) == (min(rise[n] for n in names[:2]) > 0)
     assert "Each trained iteration lowers the mean loss;" in left.get_title()  # the stored means fall up to each K
     add = [rise[n] for n in names[2:]]

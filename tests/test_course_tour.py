@@ -213,3 +213,23 @@ def test_check_seed_is_the_early_stops_and_the_rule_scores_those_programs():
     g = torch.Generator().manual_seed(tour.CHECK_SEED)  # frequency_rule walks task.program as task.batch does
     assert [task.program(g)[0] for _ in range(16)] == [task.decode(row) for row in idx]
     assert tour.frequency_rule(task, n=256, seed=tour.CHECK_SEED) != tour.frequency_rule(task, n=256, seed=4321)
+
+
+def test_init_iter_starts_k1_from_k3s_weights_and_only_k_differs():
+    """demo_model(1, init_iter=3): K = 3's initial weights bit for bit (not K = 1's √2-larger projections), run at K = 1."""
+    same, k3, k1 = demo_model(1, seed=0, init_iter=3), demo_model(3, seed=0), demo_model(1, seed=0)
+    assert same.config.n_iter == 1 and all(torch.equal(v, k3.state_dict()[n]) for n, v in same.state_dict().items())
+    assert not all(torch.equal(v, k1.state_dict()[n]) for n, v in same.state_dict().items())
+
+
+def test_same_init_runs_get_their_own_row_and_column():
+    res = _fake_result([0.5] * 5, [0.99, 1.0, 0.97, 0.52, 0.995], [500, 750, None, None, 1000])
+    res["same_init"] = [dict(r, init_iter=3, curve=[r["curve"][0], (100, {"1": 1.0, "2": 0.55, "3": 0.51})])
+                        for r in res["runs"] if r["n_iter"] == 1]
+    lines = tour.seeds_summary(res, {}).splitlines()
+    assert lines[2].startswith("depth_demo K=1, K=3's init") and lines[2].endswith("0.51 0.51 0.51 0.51 0.51 | converged 0/5")
+    fig = tour.seeds_figure(res, _chain([0.5] * 5))
+    assert [t.get_text().split("\n")[1] for t in fig.axes[0].get_xticklabels()] == ["K = 1", "K = 3's init", "K = 3"]
+    assert fig._suptitle.get_text().split("\n")[0].endswith("; from K = 3's init, 0/5")
+    del res["same_init"]
+    assert len(tour.seeds_figure(res, _chain([0.5] * 5)).axes[0].get_xticklabels()) == 2

@@ -382,6 +382,8 @@ def plot_lookups(look: dict, qhops) -> Figure:
     for ax, key in zip(axes, keys):
         b = shares(look[key], qhops, 3)
         for (j, half), (color, ls, lab) in style.items():
+            if half == 1 and key[0] != "asymloop_k3":  # no Local half in this model: nothing to draw
+                continue
             ax.plot(its, b[:, j, half], ls, marker="o", ms=4, color=color, label=lab)
         if key[0] == "asymloop_k3":  # the summed j=1 share (the title's multiples compare it with u); uniform per half
             ax.plot(its, b[:, 1].sum(-1), color="tab:red", ls=":", marker="s", ms=3, lw=1.2, label="j=1, both halves summed")

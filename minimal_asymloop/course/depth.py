@@ -220,7 +220,7 @@ def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
         falls = "lowers" if all((np.diff(runs.lens(n).mean(0)[:runs.n_iter(n)]) < 0).all() for n in rest) \
             else "does not always lower"
         verdict = ("rises in every model" if min(rise.values()) > 0 else "does not rise in every model") + \
-            f", least in {min(rise, key=rise.get)} (k = 8 against k = K)"
+            " by k = 8\n(a model trained at larger K has fewer extra iterations there)"
         ref = "" if init is None else f"; untrained: {np.mean(init):.2f}, off scale"
         ax.set(xlabel=xlabel + "\none iteration runs 2 blocks in AsymLoop, 4 in Full Loop",
                ylabel="loss, held-out windows (nats/token)",

@@ -14,7 +14,7 @@
 import numpy as np
 from matplotlib.figure import Figure
 
-LABELS = {"fixed_k3": "fixed K=3 training (the paper's depth)", "lognormal_k3": "Huginn's log-normal Poisson, E[K]=3",
+LABELS = {"fixed_k3": "fixed K=3 training (the paper's depth)", "lognormal_k3": "log-normal Poisson (our μ), E[K]=3",
           "uniform_k1_5": "uniform K in 1..5"}
 KIND_COLORS = {"fixed": "C0", "lognormal_poisson": "C1", "uniform": "C2"}  # one colour per sampler in every figure
 COLORS = {r: KIND_COLORS[k] for r, k in (("fixed_k3", "fixed"), ("lognormal_k3", "lognormal_poisson"), ("uniform_k1_5", "uniform"))}

@@ -160,15 +160,16 @@ def frequency_rule(task, n: int = 1024, seed: int = 4321) -> dict[int, float]:
 
 
 def live_figure(runs: dict, rule: dict | None = None) -> NotebookFigure:
-    """Accuracy by hop count during training, one panel per hop count, one line per K (the live demo); rule: the
-    {hops: accuracy} of frequency_rule, drawn as a dashed line."""
+    """Accuracy by hop count during training, one panel per hop count, one line per K (the live demo; a run's init_iter,
+    if not its K, is named in its label); rule: the {hops: accuracy} of frequency_rule, drawn as a dashed line."""
     hops = sorted(int(h) for h in next(iter(runs.values()))["curve"][0][1])
     fig = NotebookFigure(figsize=(11, 3.6))
     axes = fig.subplots(1, len(hops), sharey=True)
     for ax, h in zip(axes, hops):
         for k, run in sorted(runs.items()):  # K = 1 drawn wide beneath, so it shows where the two lines coincide
             ax.plot([s for s, _ in run["curve"]], [a[str(h)] for _, a in run["curve"]], "o-", ms=3 if k > 1 else 7,
-                    lw=1.5 if k > 1 else 4, alpha=1 if k > 1 else 0.5, color=K_COLORS[k], label=f"K = {k} (effective depth {1 + k})")
+                    lw=1.5 if k > 1 else 4, alpha=1 if k > 1 else 0.5, color=K_COLORS[k], label=f"K = {k} (effective depth {1 + k})"
+                    + (f", K = {run['init_iter']}'s init" if run.get("init_iter", k) != k else ""))
         ax.axhline(CONVERGED, color="0.5", ls=":", lw=1, label=f"converged: every hop count ≥ {CONVERGED}")
         if rule:
             ax.axhline(rule[h], color="0.3", ls="--", lw=1, label=RULE_LABEL)
@@ -184,6 +185,7 @@ def live_figure(runs: dict, rule: dict | None = None) -> NotebookFigure:
 
 
 K_COLORS = {1: "C0", 2: "C2", 3: "C1"}
+SAME_INIT_COLOR = "C9"  # K = 1 trained from K = 3's initial weights
 RULE_LABEL = "no-chain rule: a literal answers itself,\nx=y the most frequent literal so far"
 
 
@@ -247,10 +249,14 @@ def seeds_summary(demo: dict, arms: dict) -> str:
     seeds. demo: a depth_demo result; arms: {label: chain_seeds-style runs}."""
     rows = {f"depth_demo K={k}": list(zip(final_accuracy(demo, 3)[k], s, [x is not None for x in s]))
             for k, s in demo_steps(demo).items()}
+    if demo.get("same_init"):  # K = 1 from K = 3's initial weights
+        same = dict(runs=demo["same_init"])
+        rows["depth_demo K=1, K=3's init"] = list(zip(final_accuracy(same, 3)[1], demo_steps(same)[1],
+                                                      [x is not None for x in demo_steps(same)[1]]))
     lines = []
     for label, runs in {**rows, **arms}.items():
         won = [f"{i} ({s:,})" for i, (_, s, c) in enumerate(runs) if c]
-        lines.append(f"{label:<18} 3 hops at the end " + " ".join(f"{a:.2f}" for a, _, _ in runs)
+        lines.append(f"{label:<27} 3 hops at the end " + " ".join(f"{a:.2f}" for a, _, _ in runs)
                      + f" | converged {len(won)}/{len(runs)}" + (f": seed (step) {', '.join(won)}" if won else ""))
     return "\n".join(lines)
 
@@ -263,21 +269,27 @@ def _dots(ax, x, accs, steps, color):
 
 
 def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookFigure:
-    """Left: depth_demo's 5 seeds at K = 1 and K = 3 (at most the demo's budget). Right: runs of up to 6,000 steps,
+    """Left: depth_demo's 5 seeds at K = 1, K = 1 from K = 3's initial weights (if stored) and K = 3 (at most the
+    demo's budget). Right: runs of up to 6,000 steps,
     one column per arm of chain: chain_seeds' dict (arms dense_l2, dense_l4, asymloop_k1, asymloop_k3, full_loop_k2).
     Both panels:
     3-hop accuracy at the run's end on the 256 held-out programs of the early stop."""
     fig = NotebookFigure(figsize=(13, 4.8))
-    left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[2, 2 + len(chain)]))
+    n_left = 2 + bool(demo.get("same_init"))
+    left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[n_left, 2 + len(chain)]))
     acc, steps = final_accuracy(demo, 3), demo_steps(demo)
-    for i, k in enumerate(sorted(acc)):
-        _dots(left, i, acc[k], steps[k], K_COLORS[k])
+    cols = [(f"AsymLoop\nK = {k}\n(depth {1 + k})", acc[k], steps[k], K_COLORS[k]) for k in sorted(acc)]
+    if demo.get("same_init"):  # K = 1 from K = 3's initial weights, beside K = 1
+        same = dict(runs=demo["same_init"])
+        cols.insert(1, ("K = 1,\nK = 3's init\n(depth 2)", final_accuracy(same, 3)[1], demo_steps(same)[1], SAME_INIT_COLOR))
+    for i, (_, a, st, color) in enumerate(cols):
+        _dots(left, i, a, st, color)
     init = [r["curve"][0][1]["3"] for r in demo["runs"]]  # the untrained models (step 0)
     for ax in (left, right):
         ax.axhline(sum(init) / len(init), color="0.4", ls=":", lw=1, label="untrained (depth_demo's mean)")
         if rule:
             ax.axhline(rule[3], color="0.3", ls="--", lw=1, label=RULE_LABEL)
-    left.set_xticks(range(len(acc)), [f"AsymLoop\nK = {k}\n(depth {1 + k})" for k in sorted(acc)])  # 3 lines: no overlap
+    left.set_xticks(range(len(cols)), [c[0] for c in cols])  # 3 lines: no overlap
     left.set_title(f"at most {demo['setting']['steps']:,} steps (depth_demo)")
     left.set_ylabel("3-hop accuracy at the run's end\n(check programs)")
     right.legend(loc="lower right", fontsize=8, framealpha=1)
@@ -300,6 +312,8 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
         line += f". K = 1: {n1}/{len(steps[1])} and {won['asymloop_k1']}, the same budgets"
     else:
         line += f". K = 1: {n1}/{len(steps[1])}"
+    if demo.get("same_init"):
+        line += f"; from K = 3's init, {sum(r['converged_at'] is not None for r in demo['same_init'])}/{len(demo['same_init'])}"
     fig.suptitle(f"{line}\n(one dot per seed, 0-4 left to right; filled: converged, every hop count ≥ {CONVERGED}; steps printed below)",
                  fontsize=11)
     fig.tight_layout()
