@@ -237,3 +237,12 @@ def test_alpha_agreement_is_one_for_identical_seeds_and_reads_the_study():
         runs[s]["alrs_records"] = runs[0]["alrs_records"]
     assert C.alpha_agreement(same, C.best_lr(same, "alrs"))[0] == pytest.approx([1.0, 1.0, 1.0])
     assert max(rho) < 0.9  # the study's seeds do not rank the blocks alike (0.12-0.50 when written)
+
+
+def test_beside_paper_prints_the_papers_deltas_and_ours():
+    """Section 6's table: Table 4's 60M deltas as ln(PPL ratio), Table 8's Dense CE delta, and our two arms' means."""
+    from minimal_asymloop.course import alrs_build as AB
+    diff, at1x = C.within_seed(RES, "alrs", C.best_lr(RES, "alrs")), C.within_seed(RES, "alrs_blocks", C.best_lr(RES, "alrs_blocks"))
+    text = AB.beside_paper(RES, diff, at1x)
+    assert "PPL 24.727 -> 23.751: -0.0403 nats" in text and "PPL 24.619 -> 23.580: -0.0431 nats" in text
+    assert "CE -0.0626 nats" in text and f"val loss {diff.mean():+.4f}" in text and f"val loss {at1x.mean():+.4f}" in text

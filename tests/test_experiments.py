@@ -66,6 +66,9 @@ def test_alrs_queue_order_edge_extension_and_controls(monkeypatch, tmp_path):
     assert res["scaled_uniform_lr"] == 7.5e-3 and order[11:14] == [("uniform", 7.5e-3, s) for s in (0, 1, 2)]
     assert order[14:17] == [("alrs_unpinned", 2.5e-3, s) for s in (0, 1, 2)]
     assert order[17:19] == [("uniform", 1e-2, 1), ("uniform", 1e-2, 2)]  # the rest of the sweep, nearest each best first
+    pins = [(a, 2e-2, s) for a in ("uniform_top_embed", "uniform_top_head") for s in (0, 1, 2)]  # one pinned matrix each
+    assert order[-6:] == pins and set(mults[-6:]) == {None}
+    order, mults = order[:-6], mults[:-6]
     blocks = [("alrs_blocks", lr, s) for lr in (*ex.ALRS_LRS["alrs_blocks"], 6.25e-4) for s in (0, 1, 2)]
     assert order[-12:] == blocks  # its own sweep; its best, 1.25e-3, is the grid's low edge: 6.25e-4 added
     assert list(res["setting"]["lr_grids"]["alrs_blocks"]) == [6.25e-4, *ex.ALRS_LRS["alrs_blocks"]]
@@ -79,7 +82,7 @@ def test_alrs_queue_order_edge_extension_and_controls(monkeypatch, tmp_path):
     # the scaled-uniform control (7.5e-3) is not a sweep LR, so it never becomes uniform's best
     assert ex.best_lr([*res["runs"], *[dict(arm="uniform", lr=7.5e-3, seed=s, val_loss=0.0) for s in (0, 1, 2)]], "uniform", (0, 1, 2),
                       res["setting"]["lr_grids"]["uniform"]) == 2e-2
-    assert len(writes) == len(order) + 12 and writes[-1]["partial"] is True
+    assert len(writes) == len(order) + 18 and writes[-1]["partial"] is True
 
 
 def test_alrs_study_reuses_the_committed_runs_of_its_setting(monkeypatch, tmp_path):

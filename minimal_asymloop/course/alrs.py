@@ -11,7 +11,8 @@ from matplotlib.ticker import NullFormatter
 ARM_LABELS = {"uniform": "uniform LR", "alrs": "ALRS", "alrs_unpinned": "ALRS, embedding/head not pinned",
               "alrs_blocks": "ALRS, embedding/head at 1× (our reading of the paper)",
               "alrs_hill": "ALRS, hill_median fit", "uniform_top": "uniform, embedding/head at 5× only",
-              "scaled": "uniform × ALRS's mean multiplier", "decoder_boost": "decoder LR boost (Table 4b)"}
+              "scaled": "uniform × ALRS's mean multiplier", "decoder_boost": "decoder LR boost (Table 4b)",
+              "uniform_top_embed": "uniform, embedding alone at 5×", "uniform_top_head": "uniform, head alone at 5×"}
 SRANK_GROUPS = ("encoder attention", "encoder FFN", "decoder attention", "decoder FFN")
 PINNED = ("alrs", "alrs_hill", "uniform_top")  # the arms whose embedding and head run at the top multiplier
 
@@ -82,6 +83,7 @@ def control_arms(res: dict) -> dict[str, tuple[str, float]]:
             ARM_LABELS["alrs_unpinned"]: ("alrs_unpinned", first["alrs"]),
             ARM_LABELS["alrs_hill"]: ("alrs_hill", first["alrs"]),
             ARM_LABELS["uniform_top"]: ("uniform_top", first["uniform"])}
+    arms |= {ARM_LABELS[a]: (a, first["uniform"]) for a in ("uniform_top_embed", "uniform_top_head") if runs_of(res, a, first["uniform"])}
     if "decoder_boost_mult" in res:
         arms[ARM_LABELS["decoder_boost"] + f", decoder ×{res['decoder_boost_mult']:g}"] = ("decoder_boost", first["uniform"])
     return arms
@@ -266,9 +268,10 @@ def controls_title(res: dict) -> str:
     wins = {arm for arm, lr in control_arms(res).values() if arm != "uniform" and
             len(d := within_seed(res, arm, lr)) == n and (d < 0).all()}
     scaled = len(d := within_seed(res, "uniform", res["scaled_uniform_lr"])) == n and (d < 0).all()
-    if wins == set(PINNED) and not scaled:
+    alone = {a for a, _ in control_arms(res).values()} & {"uniform_top_embed", "uniform_top_head"}  # one matrix pinned
+    if wins == set(PINNED) | alone and not scaled:
         boost = " or decoder" if "decoder_boost_mult" in res else ""
-        return ("The three arms that pin embedding and head at 5× beat uniform LR in every seed;\n"
+        return (f"The {len(wins)} arms that pin embedding{' or' if alone else ' and'} head at 5× beat uniform LR in every seed;\n"
                 f"ALRS without the pin and the arms that only raise the LR (uniform{boost}) do not")
     names = [label for label, (arm, lr) in control_arms(res).items() if arm in wins or (arm == "uniform" and scaled)]
     return "Better than uniform LR at its best in every seed:\n" + (", ".join(names) or "none of the arms")

@@ -2,7 +2,8 @@
 alpha, the multipliers, the ramp), the wrong versions its checks must fail, and the optimizer step where ALRS's
 multipliers meet AdamW: every matrix has its own parameter group, and each step the trainer sets
 group["lr"] = base LR x group["lr_mult"] (trainer.optimizer_step). Adam's first step moves every entry with a gradient
-by about its LR (m/√v = g/|g|), so one step shows each matrix's multiplier directly."""
+by about its LR (m/√v = g/|g|), so one step shows each matrix's multiplier directly. Also section 6's table, ours
+beside the paper's (beside_paper)."""
 
 import copy
 
@@ -90,3 +91,19 @@ def noise_and_signal(gen: torch.Generator, n: int = 384, m: int = 128, r: int = 
     strengths = 3 * torch.arange(1, r + 1) ** -0.5
     signal = (torch.randn(n, r, generator=gen) * strengths) @ torch.randn(r, m, generator=gen) / (n * m) ** 0.5
     return [alrs.eigenvalues(W, torch.float64) for W in (noise, noise + signal)]
+
+
+def beside_paper(res: dict, diff, at1x) -> str:
+    """Section 6's rows: layerwise minus uniform LR in the paper (Table 4 at 60M, PPL; Table 8's Dense, CE) beside ours
+    (diff: pinned ALRS minus uniform per seed; at1x: ALRS at 1x minus uniform), each with its setting."""
+    import math
+
+    ppl = lambda a, b: f"PPL {b:.3f} -> {a:.3f}: {math.log(a / b):+.4f} nats"  # noqa: E731
+    b = res["setting"]["budget"]
+    rows = [("paper, Table 4, 60M AsymLoop K=3", "QKNorm, FineWeb-Edu, 'the default base learning rate'", ppl(23.751, 24.727)),
+            ("paper, Table 4, 60M AsymLoop K=5", "as above", ppl(23.580, 24.619)),
+            ("paper, Table 8, Dense, depth 6", "'a common evaluation protocol' (Appendix C.3)", f"CE {3.209192 - 3.271820:+.4f} nats"),
+            ("ours, AsymLoop K=3, ALRS pinned", f"{b['tokens'] / 1e6:.2f}M tokens ({b['tokens_per_param']:.2f}/param), QKNorm, "
+             "Python stdlib code, base LR tuned per arm", f"val loss {diff.mean():+.4f} ± {diff.std(ddof=1):.4f} nats ({len(diff)} seeds)"),
+            ("ours, ALRS at 1×", "as above", f"val loss {at1x.mean():+.4f} ± {at1x.std(ddof=1):.4f} nats")]
+    return "\n".join(f"{who}: layerwise - uniform {result}\n  ({setting})" for who, setting, result in rows)

@@ -387,7 +387,7 @@ def plot_lookups(look: dict, qhops) -> Figure:
             ax.plot(its, b[:, j, half], ls, marker="o", ms=4, color=color, label=lab)
         if key[0] == "asymloop_k3":  # the summed j=1 share (the title's multiples compare it with u); uniform per half
             ax.plot(its, b[:, 1].sum(-1), color="tab:red", ls=":", marker="s", ms=3, lw=1.2, label="j=1, both halves summed")
-            ax.axhline(u / 2, color="0.5", ls=":", lw=1.2, label=f"uniform, one statement: {u / 2:.2f} per half")
+            ax.axhline(u / 2, color="0.3", ls=(0, (1, 1)), lw=2, zorder=5, label=f"uniform, one statement: {u / 2:.2f} per half")
         ax.axhline(u, color="k", ls=":", lw=1.2, label=f"uniform, one statement: {u:.2f} (summed, or Global only)")
         ax.set_title(f"{'both halves' if key[0] == 'asymloop_k3' else 'without Local KV'}\nseed {key[1]}", fontsize=10)
         ax.set(xticks=its, xlabel="iteration", ylim=(0, 0.85))

@@ -224,7 +224,7 @@ def plot_lens(runs: LMRuns, names=None, init=None) -> Figure:
         ref = "" if init is None else f"; untrained: {np.mean(init):.2f}, off scale"
         ax.set(xlabel=xlabel + "\none iteration runs 2 blocks in AsymLoop, 4 in Full Loop",
                ylabel="loss, held-out windows (nats/token)",
-               title=f"Each trained iteration {falls} the mean loss; past the\ntrained K it {verdict}\n"
+               title=f"Each trained iteration after the first {falls} the mean loss;\npast the trained K it {verdict}\n"
                      f"(mean ± std, {len(runs.seeds)} seeds, {runs.tpp:.1f} tokens/param{ref})")
     if add:
         ax = axes.pop(0)

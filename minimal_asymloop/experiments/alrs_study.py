@@ -44,15 +44,15 @@ class PinnedTop:
 
     per_matrix = True
 
-    def __init__(self, hi: float, ramp_len: int):
-        self.hi, self.ramp_len = hi, ramp_len
+    def __init__(self, hi: float, ramp_len: int, names=("embed.weight", "head.weight")):
+        self.hi, self.ramp_len, self.names = hi, ramp_len, tuple(names)
 
     def on_step(self, step, model, optimizer):
         from minimal_asymloop import alrs
 
         mult = alrs.ramp(1.0, self.hi, step, 0, self.ramp_len)
         for group in optimizer.param_groups:
-            if group.get("name") in alrs.TOP_NAMES:
+            if group.get("name") in self.names:
                 group["lr_mult"] = mult
         return dict(pinned_top=self.hi) if step == 0 else None
 
@@ -63,17 +63,19 @@ class PinnedTop:
         pass
 
 
-ARMS = ("uniform", "alrs", "alrs_hill", "alrs_unpinned", "alrs_blocks", "uniform_top", "decoder_boost")
+ARMS = ("uniform", "alrs", "alrs_hill", "alrs_unpinned", "alrs_blocks", "uniform_top", "decoder_boost", "uniform_top_embed",
+        "uniform_top_head")
+PINS = {"uniform_top": ("embed.weight", "head.weight"), "uniform_top_embed": ("embed.weight",), "uniform_top_head": ("head.weight",)}
 
 
 def arm_setup(arm: str, lr: float, seed: int, steps: int, out_dir, dec_mult: float | None = None, **train):
     """(ModelConfig, TrainConfig, lr_hook) of one arm of the study at base LR `lr` and `seed`, `steps` long, writing
     to `out_dir`; `train` overrides TrainConfig fields (notebook 06's live runs: stop_step, device). The lr_hook is None
     for the arms the trainer builds itself (uniform, every ALRS arm through alrs_fit and alrs_top, decoder_boost through
-    dec_lr_mult); uniform_top's is PinnedTop."""
+    dec_lr_mult); the pins' (uniform_top: embedding and head; uniform_top_embed, uniform_top_head: one of them) is PinnedTop."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
-    on = arm not in ("uniform", "uniform_top", "decoder_boost")
+    on = arm not in ("uniform", "decoder_boost", *PINS)
     # alrs_unpinned: embedding and head allocated by their alphas; alrs_blocks: left at 1x, the paper's wording (Section
     # 3.3: "individual weight matrices in the encoder and decoder"); the other ALRS arms pin them, as He et al.'s code
     top = {"alrs_unpinned": "fit", "alrs_blocks": "base"}.get(arm, "pin")
@@ -84,14 +86,15 @@ def arm_setup(arm: str, lr: float, seed: int, steps: int, out_dir, dec_mult: flo
     train_cfg = TrainConfig(**{**ALRS_TRAIN, **extra, "lr": lr, "max_steps": steps, "eval_interval": steps, "seed": seed,
                                "out_dir": str(out_dir), **train})
     # uniform LR, except what ALRS pins: embedding and head at its top multiplier
-    hook = PinnedTop(train_cfg.alrs_hi, ALRS_SCHEDULE["alrs_ramp"]) if arm == "uniform_top" else None
+    hook = PinnedTop(train_cfg.alrs_hi, ALRS_SCHEDULE["alrs_ramp"], PINS[arm]) if arm in PINS else None
     return ModelConfig(arch="asymloop", n_iter=3, **ALRS_LM), train_cfg, hook
 
 
 def alrs_arm(arm: str, lr: float, seed: int, steps: int, dec_mult: float | None = None) -> dict:
     """One run of the ALRS study: arm is uniform, alrs (ww fit), alrs_hill (hill_median fit), alrs_unpinned
     (embedding and head allocated like every other matrix), alrs_blocks (embedding and head left at 1x), uniform_top
-    (uniform LR with embedding and head at the top multiplier) or decoder_boost (every decoder matrix at dec_mult x the
+    (uniform LR with embedding and head at the top multiplier; uniform_top_embed, uniform_top_head: one of the two)
+    or decoder_boost (every decoder matrix at dec_mult x the
     base LR, the rest at 1x: Table 4b's baseline). Cached in out/experiments/ by arm, LR and seed."""
     from minimal_asymloop import alrs
 
@@ -202,6 +205,9 @@ def alrs_experiment(quick=False):
         lrs["alrs_blocks"] = tuple(sorted((*lrs["alrs_blocks"], extra)))  # its best on the edge: one more LR, every seed
         for seed in seeds:
             run("alrs_blocks", extra, seed)
+    for arm in ("uniform_top_embed", "uniform_top_head"):  # which of the two pinned matrices carries the pin's gain?
+        for seed in seeds:
+            run(arm, best0["uniform"], seed)
     return result()
 
 
