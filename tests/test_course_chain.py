@@ -318,3 +318,19 @@ def test_no_local_claim_holds_iteration_3_to_j2_as_well(ctx):
     assert chain.lookup_claims({"stmt": stmt}, qhops, local=False)
     stmt[2, 0, :, :, :, 2, 0], stmt[2, 0, :, :, :, 1, 0] = 0.1, 0.6  # iteration 3 back on j=1
     assert not chain.lookup_claims({"stmt": stmt}, qhops, local=False)
+
+
+def test_train_live_runs_on_one_thread_as_the_stored_runs_and_restores_the_count(monkeypatch):
+    """The stored chain runs were made with --threads 1; a live run on more threads rounds otherwise and drifts."""
+    seen = []
+    monkeypatch.setattr(chain, "train_on_task", lambda *a, **k: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(chain, "accuracy_by_hops", lambda *a, **k: {1: 0.0, 2: 0.0, 3: 0.0})
+    setting = chain.ChainRuns("chain_task").setting
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(IndexError):  # the stub trainer makes no check, so the curve is empty
+            chain.train_live(setting, {"K=1": dict(n_iter=1)}, seed=0, max_steps=1)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

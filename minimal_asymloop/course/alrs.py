@@ -183,8 +183,8 @@ def plot_alpha_noise(scatter: dict, fits: dict, name: str, spread: float | None 
         ax1.annotate(f"{a:.2f} ({n_tail} pts)", (i + 0.08, a), fontsize=8)
     ax1.set_xticks(range(len(fits)), list(fits), fontsize=9)
     bars = "the formula's s.e." if spread is None else f"sd of random matrices of its shape ({spread:.1f})"
-    ax1.set(xlim=(-0.5, len(fits) - 0.3), ylabel=f"alpha ± {bars}", title=f"{name}:\nthe three fits overlap")
-    fig.suptitle("One alpha fit is noisy: it cannot rank one matrix's init, uniform-LR and ALRS states")
+    ax1.set(xlim=(-0.5, len(fits) - 0.3), ylabel=f"alpha ± {bars}", title=f"{name}:\nwithin random matrices' scatter")
+    fig.suptitle("One alpha fit is noisy: a random matrix's scatter spans one matrix's init, uniform-LR and ALRS fits")
     fig.tight_layout()
     return fig
 
