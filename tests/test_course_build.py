@@ -77,3 +77,24 @@ def test_a_check_cell_run_again_on_the_reference_does_not_say_yours_passes(capsy
     assert yours_or_reference(_reference, _reference, _check, name="double") is _reference
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "still the reference" in out and "yours passes" not in out
+
+
+def test_an_unwritten_step_prints_one_line_not_its_checks_diagnostics(capsys):
+    """A check that prints (notebook 03's resolver check) stays quiet on the placeholder, and a step written below a
+    placeholder left in place still counts as written when it passes."""
+    def loud(f):
+        print(f"diagnostic: f(3) = {f(3)}")
+        assert f(3) == 6
+
+    def double(x):
+        ...  # <- write this line
+
+    def left_in(x):
+        ...  # <- write this line
+        return x + x
+
+    assert yours_or_reference(double, _reference, loud) is _reference
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("double: your line is not written yet") and out[1:] == ["diagnostic: f(3) = 6"]
+    assert yours_or_reference(left_in, _reference, loud) is left_in
+    assert capsys.readouterr().out.splitlines() == ["left_in: yours passes the check; the cells below use it"]

@@ -2,7 +2,9 @@
 check on the reader's version and, where it fails or raises, says so in one line and hands back the package's
 reference, so that the cells after it run either way (and nbval runs the notebook as committed)."""
 
+import contextlib
 import inspect
+import io
 from collections.abc import Callable
 
 
@@ -19,16 +21,22 @@ def passes(check: Callable, f) -> bool:
 def yours_or_reference(yours, reference, check: Callable, name: str | None = None):
     """`yours` if check(yours) passes (returns without raising), else `reference`, with one printed line that says
     which and why. `check` raises (AssertionError, or any error an unwritten line causes) on a wrong version. The
-    reference must pass the same check: a check that fails on it is a bug here, raised, not hidden."""
+    reference must pass the same check: a check that fails on it is a bug here, raised, not hidden. While `yours` is
+    still marked unwritten (`# <- write`), the check on it runs with its printout suppressed: its diagnostics would
+    be the placeholder's."""
     name = name or getattr(yours, "__name__", "your version")
     if yours is reference:  # this cell run again, after an earlier run bound the name to the reference
         print(f"{name}: this is still the reference {reference.__module__}.{reference.__name__}, not yours: run the "
               "cell that defines yours, then this one")
         return reference
+    ref = f"{reference.__module__}.{reference.__name__}"
     try:
-        check(yours)
+        if unwritten(yours):  # still marked unwritten: run the check quietly (its diagnostics would be the placeholder's)
+            with contextlib.redirect_stdout(io.StringIO()):
+                check(yours)
+        else:
+            check(yours)
     except Exception as e:  # noqa: BLE001 (an unwritten line raises anything: TypeError, AttributeError, ...)
-        ref = f"{reference.__module__}.{reference.__name__}"
         if isinstance(e, NotImplementedError) or unwritten(yours):  # shipped unwritten: say so, not the placeholder's error
             print(f"{name}: your line is not written yet (`# <- write`), so the cells below use the reference {ref}. "
                   "Write it and run this cell again.")
