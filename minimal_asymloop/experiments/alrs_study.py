@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+from minimal_asymloop.alrs import TOP_NAMES
 from minimal_asymloop.checkpoint import load_model
 from minimal_asymloop.config import TrainConfig
 from minimal_asymloop.experiments import common
@@ -44,7 +45,7 @@ class PinnedTop:
 
     per_matrix = True
 
-    def __init__(self, hi: float, ramp_len: int, names=("embed.weight", "head.weight")):
+    def __init__(self, hi: float, ramp_len: int, names=TOP_NAMES):
         self.hi, self.ramp_len, self.names = hi, ramp_len, tuple(names)
 
     def on_step(self, step, model, optimizer):
@@ -65,7 +66,7 @@ class PinnedTop:
 
 ARMS = ("uniform", "alrs", "alrs_hill", "alrs_unpinned", "alrs_blocks", "uniform_top", "decoder_boost", "uniform_top_embed",
         "uniform_top_head")
-PINS = {"uniform_top": ("embed.weight", "head.weight"), "uniform_top_embed": ("embed.weight",), "uniform_top_head": ("head.weight",)}
+PINS = {"uniform_top": TOP_NAMES, "uniform_top_embed": TOP_NAMES[:1], "uniform_top_head": TOP_NAMES[1:]}  # the matrices pinned
 
 
 def arm_setup(arm: str, lr: float, seed: int, steps: int, out_dir, dec_mult: float | None = None, **train):
