@@ -5,7 +5,9 @@ import time
 
 import torch
 
+from minimal_asymloop.adaptive import chain_batch, chain_model
 from minimal_asymloop.course.draw import COLORS, FONT, GREY, NotebookFigure
+from minimal_asymloop.paths import RESULTS
 
 
 def key_labels(n: int) -> list[str]:
@@ -116,11 +118,32 @@ def plt_purples(n: int) -> list:
     return [colormaps["Purples"](0.45 + 0.5 * i / max(n - 1, 1)) for i in range(n)]
 
 
-def decoder_look_figure(shares: dict, acc: dict, chance: float):
+CHAIN_SEEDS = (0, 1, 3)  # notebook 03's trained AsymLoop K = 3 models with both halves, committed
+
+
+def chain_masked(masks: dict, seeds=CHAIN_SEEDS, build=None) -> dict:
+    """Notebook 01, section 5: {seed: {mask: {hops: accuracy}}} of notebook 03's trained chain models (AsymLoop
+    E = D = 1, K = 3) on 256 held-out programs (`adaptive.chain_batch`), each run through `build(model, idx, n_iter,
+    probs)` (default: this module's `asymloop`, which reads the configuration from the model; the notebook's cells
+    read the tiny model's) with every `probs` of `masks`."""
+    run = build or asymloop  # the reference build, defined below
+    idx, targets, hops = chain_batch()
+    out = {}
+    for seed in seeds:
+        model = chain_model(RESULTS / "chain_weights" / f"asymloop_k3-s{seed}.safetensors").to(torch.get_default_dtype())
+        with torch.no_grad():
+            right = {name: run(model, idx, model.config.n_iter, probs).argmax(-1) == targets for name, probs in masks.items()}
+        out[seed] = {name: {h: r[(targets >= 0) & (hops == h)].double().mean().item() for h in (1, 2, 3)}
+                     for name, r in right.items()}
+    return out
+
+
+def decoder_look_figure(shares: dict, acc: dict, chance: float, chain: dict | None = None):
     """Notebook 01, section 5, per init: left, the Global share of the mass at init and after training (bar: the mean;
-    dots: the K x D (k, layer) cells, side by side); right, accuracy with nothing, the Global half or the Local half masked."""
-    fig = NotebookFigure(figsize=(10, 3.4), layout="constrained")
-    ax, bx = fig.subplots(1, 2)
+    dots: the K x D (k, layer) cells, side by side); middle, accuracy with nothing, the Global half or the Local half
+    masked. With `chain` (`chain_masked`'s dict), a third panel: the chain models' 3-hop accuracy under the same masks."""
+    fig = NotebookFigure(figsize=(14 if chain else 10, 3.4), layout="constrained")
+    ax, bx, *cx = fig.subplots(1, 3 if chain else 2, gridspec_kw=dict(width_ratios=[1, 1.1, 1] if chain else [1, 1]))
     for i, pair in enumerate(shares.values()):
         for j, s in enumerate(pair):  # j = 0: at init, 1: trained
             x = 3 * i + j
@@ -149,18 +172,32 @@ def decoder_look_figure(shares: dict, acc: dict, chance: float):
     bx.set_xlabel("half masked in all layers and iterations (colour: the half left)")
     bx.set_ylim(0, 1.22)
     bx.set_ylabel("accuracy, new sequences")
-    bx.set_title("From either init, masking the Global half leaves near chance", fontsize=FONT, pad=18)
+    bx.set_title("Lag task: masking the Global half leaves near chance", fontsize=FONT, pad=18)
+    if chain:  # grouped by seed, one bar per mask, coloured by the half left
+        for i, a in enumerate(chain.values()):
+            bars = cx[0].bar([4 * i + j for j in range(len(a))], [v[3] for v in a.values()], width=0.8,
+                             color=[COLORS["joint_attention"], COLORS["loop"], COLORS["global_kv"]][: len(a)])
+            cx[0].bar_label(bars, fmt="%.2f", fontsize=FONT - 2)
+        cx[0].axhline(0.25, color=COLORS["head"], ls=":", lw=1)
+        cx[0].text(3, 0.28, "chance\n0.25", ha="center", fontsize=FONT - 2.5)  # between the first two seeds' bars
+        cx[0].set_xticks([4 * i + 1 for i in range(len(chain))], [f"seed {s}" for s in chain])
+        cx[0].set_ylim(0, 1.12)
+        cx[0].set_ylabel("3-hop accuracy")
+        cx[0].set_xlabel("bars: nothing, Global, Local masked (colour: the half left)")
+        cx[0].set_title("Chain task (notebook 03's models):\nmasking the Local half breaks 3-hop answers", fontsize=FONT)
     return fig
 
 
-def print_verdicts(acc: dict, read: dict, holds: dict):
-    """Notebook 01, section 5, per init: accuracy with each half masked, how often token j is read back from position
-    j of H, z_1, ..., z_K, and whether each claim holds."""
+def print_verdicts(acc: dict, holds: dict, chain: dict | None = None):
+    """Notebook 01, section 5: per init, accuracy with each half masked and whether each claim holds; per chain model
+    (`chain_masked`), accuracy by hop count under each mask."""
     for init in acc:
-        print(f"{init} init: accuracy, masking", ", ".join(f"{n}: {a:.2f}" for n, a in acc[init].items()),
-              "| token j read back from H, z_1..z_K:", ", ".join(f"{r:.2f}" for r in read[init]))
+        print(f"lag task, {init} init: accuracy, masking", ", ".join(f"{n}: {a:.2f}" for n, a in acc[init].items()))
         for claim, h in holds[init].items():
             print(f"  {'holds' if h else 'does NOT hold'}: {claim}")
+    for seed, a in (chain or {}).items():
+        print(f"chain task, seed {seed}: 1/2/3-hop accuracy, masking",
+              "; ".join(f"{n}: " + "/".join(f"{x:.2f}" for x in by.values()) for n, by in a.items()))
 
 
 # The build of notebook 01, section 4, as the package's reference: the notebook's unwritten steps (global_kv,
