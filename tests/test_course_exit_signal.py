@@ -1,11 +1,14 @@
 """Notebook 04's exit signal: KL(p_{k-1} || p_k) by group on a trained chain model, against an untrained one."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from minimal_asymloop import adaptive as A
 from minimal_asymloop.course import exit_signal as X
+from minimal_asymloop.course.build import passes
 from minimal_asymloop.model import LoopedLM
 from minimal_asymloop.paths import RESULTS
 
@@ -45,3 +48,13 @@ def test_figure_draws_one_line_per_group_and_the_threshold(chain):
     assert len(ax.lines) == len(kl) + 1 and ax.get_yscale() == "log"
     x, y = ax.lines[2].get_data()  # 3-hop answers: the median at each k
     assert list(x) == [2, 3, 4, 5] and np.allclose(y, np.median(np.maximum(kl["3-hop answers"], 1e-9), 0))
+
+
+def test_beaten_check_passes_the_reference_and_fails_the_exact_comparison():
+    """Notebook 04's verdict step: the check accepts the package's verdicts and rejects "as accurate" compared exactly
+    (seed 0's τ = 1 and seed 3's small τ are beaten only within one standard error)."""
+    runs = json.loads((RESULTS / "adaptive.json").read_text())["chain"]["runs"]
+    check = X.beaten_check(runs, 2048)
+    assert passes(check, X.beaten) and not passes(check, X.exact)
+    assert not passes(check, lambda run, n: {t: None for t in X.beaten(run, n)})  # "nothing beaten" fails too
+    assert X.beaten(runs[0], 2048)[0.3] is None and X.exact(runs[0], 2048)[1.0] is None

@@ -63,8 +63,11 @@ def test_figures_build_with_titles_and_labels(chain):
     fig = B.fig_sampler(B.draws(B.draw, n=200), who="the reference")
     assert fig.axes[0].get_title() and fig.axes[0].get_xlabel()
     assert any("the reference: 200 draws" in t.get_text() for t in fig.axes[0].get_legend().get_texts())  # whose draws
-    bars = [c for c in fig.axes[0].containers]  # fixed, uniform, log-normal: each in its colour of notebook 05's figures
-    assert [to_hex(b[0].get_facecolor(), keep_alpha=False) for b in bars] == [
+    bars = [c for c in fig.axes[0].containers]  # fixed, uniform, ours: each in its colour of notebook 05's figures
+    assert [to_hex(b[0].get_facecolor(), keep_alpha=False) for b in bars[:3]] == [
         to_hex(KIND_COLORS[k]) for k in ("fixed", "uniform", "lognormal_poisson")]
+    huginn = bars[3][0]  # Huginn's mu: ours' colour, hatched and unfilled, its E[K] in the legend
+    assert not huginn.get_fill() and to_hex(huginn.get_edgecolor(), keep_alpha=False) == to_hex(KIND_COLORS["lognormal_poisson"])
+    assert any("Huginn's mu, mean 3 (E[K] 3.88)" in t.get_text() for t in fig.axes[0].get_legend().get_texts())
     m = dict(n=[1, 2], peak_bytes=[1 << 20, 2 << 20], cosine=[0.3, 1.0])
     assert all(ax.get_title() and ax.get_ylabel() for ax in B.fig_backprop_depth(m, 2, 1 << 20).axes)

@@ -359,8 +359,7 @@ def plot_exit_gaps(runs: list[dict], gaps: dict, tau: float = 0.03) -> Figure:
         fx, r = {f["k"]: f for f in run["fixed"]}, at_tau(run["adaptive"], tau)
         ys = [fx[2]["acc_by_hops"]["3"], fx[3]["acc_by_hops"]["3"], r["acc_by_hops"]["3"]]
         right.plot([0, 1], ys[:2], m + "-", color="0.3", lw=0.8, ms=7, label=f"seed {run['seed']}")
-        right.plot([2], ys[2:], m, color="C1", ms=7,  # the rule: no depth of its own, so not joined to the fixed K
-                   label="the rule (orange; marker: seed)" if j == 0 else None)
+        right.plot([2], ys[2:], m, color="C1", ms=7)  # the rule: no depth of its own, so not joined to the fixed K
     left.axhline(0, ls="--", c="0.5", lw=1)
     left.text(1.3, 0.04, "fixed K: every answer\nruns K iterations (0)", ha="right", color="0.4", fontsize=8)
     left.set(xticks=[0, 1], xticklabels=["2-hop minus 1-hop", "3-hop minus 1-hop"], xlim=(-0.5, 1.5),
@@ -368,7 +367,7 @@ def plot_exit_gaps(runs: list[dict], gaps: dict, tau: float = 0.03) -> Figure:
     right.axvline(1.5, c="0.7", lw=0.8)
     right.set(xticks=[0, 1, 2], xticklabels=["fixed K=2", "fixed K=3", f"rule, τ={tau:g}\n(iterations per token vary)"],
               ylim=(0.93, 1.003), ylabel="3-hop accuracy", title="3-hop accuracy: fixed depths and the rule")
-    right.legend(fontsize=8, loc="lower right")
+    right.legend(fontsize=8, loc="lower right", title="marker: seed; orange: the rule", title_fontsize=8)
     for ax in (left, right):
         ax.grid(alpha=0.3)
     fig.suptitle("3-hop answers run over one iteration longer than 1-hop ones in every seed")
@@ -399,12 +398,13 @@ def plot_chain_frontier(runs: list[dict], n: int) -> Figure:
         alone = [r for r in ad if beaten_by_fixed(run, "flops_vs_max", "acc", n)[r["tau"]] is None]
         ax.plot([r["flops_vs_max"] for r in alone], [wrong(r) for r in alone], "o", mfc="none", mec="r", ms=10,
                 label="no fixed K as accurate for no more FLOPs")
-        ax.set(yscale="symlog", ylim=(0, 500), xlabel=f"counted FLOPs per token (× fixed K={len(fixed)})", title=f"seed {run['seed']}")
+        ax.set(yscale="symlog", ylim=(0, 500), xlim=(0.25, 1.08), xlabel=f"counted FLOPs per token (× fixed K={len(fixed)})",
+               title=f"seed {run['seed']}")
         ax.grid(alpha=0.3)
     np.atleast_1d(axes)[0].set_ylabel(f"wrong answers (of {n:,}; symlog)")
     np.atleast_1d(axes)[-2].legend(fontsize=7, loc="upper right")
-    fig.suptitle("Most thresholds match K = 6 for fewer FLOPs; a fixed K = 2 or 3 matches all but one for fewer still,"
-                 " and a mix of two fixed K (dashed) that one too")
+    fig.suptitle("Most thresholds match K = 6 for fewer FLOPs; a fixed K = 2 or 3 matches all but one for fewer still,\n"
+                 "and a mix of two fixed K (dashed) that one too")
     fig.tight_layout()
     return fig
 

@@ -47,7 +47,7 @@ def draw_chain(text: str = "a=3;x=1;b=a;c=b;") -> Figure:
     side (gray arrows); block 2 lets every 2-hop statement read the digit of the statement it names; block 3 lets the 3-hop
     statement read the now-resolved value of the statement it names."""
     stmts = [t for t in text.split(";") if t]
-    fig = Figure(figsize=(10, 3.3))
+    fig = Figure(figsize=(10, 2.8))
     ax = fig.subplots()
     env = {}
     for i, st in enumerate(stmts):
@@ -55,7 +55,7 @@ def draw_chain(text: str = "a=3;x=1;b=a;c=b;") -> Figure:
         env[lhs] = rhs if rhs.isdigit() else env[rhs]
         ax.text(i, 3, st + ";", ha="center", va="center", fontsize=13, family="monospace",
                 bbox=dict(boxstyle="round", fc="0.95", ec="0.5"))
-        ax.text(i, 2.35, f"value {env[lhs]}", ha="center", fontsize=9, color="0.3")
+        ax.text(i, 3.4, f"target {env[lhs]}", ha="center", fontsize=9, color="0.3")  # what the model must output
         ax.annotate("", xy=(i - 0.22, 2.68), xytext=(i + 0.05, 2.68), arrowprops=dict(arrowstyle="->", color="0.5", lw=1.5))
     names = {st.split("=")[0]: i for i, st in enumerate(stmts)}
     for level, st in enumerate(stmts):
@@ -63,14 +63,14 @@ def draw_chain(text: str = "a=3;x=1;b=a;c=b;") -> Figure:
         if rhs in names:
             j = names[rhs]
             hop = 2 if stmts[j].split("=")[1].isdigit() else 3
-            y = 1.9 - 0.55 * (hop - 2)
+            y = 2.4  # below the gray arrows, bending down: no crossing
             ax.annotate("", xy=(j, y), xytext=(level, y), arrowprops=dict(arrowstyle="->", color=f"C{hop - 2}", lw=2,
-                                                                          connectionstyle="arc3,rad=0.3"))
-            ax.text((level + j) / 2, y - 0.42, f"block {hop}: '{st}' reads the value of '{stmts[j]}'", ha="center",
+                                                                          connectionstyle="arc3,rad=-0.25"))
+            ax.text((level + j) / 2, 1.45, f"block {hop}: '{st}' reads the value of '{stmts[j]}'", ha="center",
                     fontsize=9, color=f"C{hop - 2}")
-    ax.text(-0.4, 0.15, "block 1 (gray arrows): each right-hand side takes in its statement's name (two tokens back): the key "
+    ax.text(-0.4, 1.0, "block 1 (gray arrows): each right-hand side takes in its statement's name (two tokens back): the key "
             "a later lookup matches", fontsize=9, color="0.3")
-    ax.set(xlim=(-0.6, len(stmts) - 0.4), ylim=(0, 3.5))
+    ax.set(xlim=(-0.6, len(stmts) - 0.4), ylim=(0.8, 3.7))
     ax.axis("off")
     ax.set_title("One construction: a k-hop statement (k >= 2) in k blocks: names to right-hand sides, then one lookup "
                  "per hop after the first",

@@ -4,6 +4,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
+from minimal_asymloop.course.adaptive import beaten_by_fixed
 from minimal_asymloop.generate import iteration_kl
 
 GROUP_COLORS = {"1-hop answers": "C2", "2-hop answers": "C0", "3-hop answers": "C3", "no target": "0.5"}
@@ -41,7 +42,7 @@ def summary(kl: dict[str, np.ndarray], tau: float) -> str:
 def plot_kl_by_group(kl: dict[str, np.ndarray], tau: float) -> Figure:
     """Median KL(p_{k-1} || p_k) per iteration k (lines) with the middle half of positions (band), one colour per
     group, on a log axis, and the threshold tau (dashed): a group stops where its positions cross below the line."""
-    fig = Figure(figsize=(8, 3.8))
+    fig = Figure(figsize=(9.5, 3.8))
     ax = fig.subplots()
     for g, v in kl.items():
         k = np.arange(2, v.shape[1] + 2)
@@ -51,6 +52,29 @@ def plot_kl_by_group(kl: dict[str, np.ndarray], tau: float) -> Figure:
     ax.axhline(tau, color="black", ls="--", lw=1, label=f"τ = {tau:g}")
     ax.set(yscale="log", xlabel="iteration k", ylabel=r"KL$(p_{k-1}\,\|\,p_k)$, nats", xticks=k,
            title="The exit signal on a trained model: median (line), middle half of positions (band)")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: covers no band
     fig.tight_layout()
     return fig
+
+
+def beaten(run: dict, n: int) -> dict:
+    """Notebook 04's build step, the reference: {τ > 0: the cheapest fixed K as accurate as τ, within one standard error
+    of the difference, for no more counted FLOPs (None: no fixed K)}, for one chain seed's sweep `run` with `n` scored
+    answers. The package's general form, for any cost and metric, is `course.adaptive.beaten_by_fixed`."""
+    return beaten_by_fixed(run, "flops_vs_max", "acc", n)
+
+
+def exact(run: dict, n: int) -> dict:
+    """A wrong version of `beaten`: "as accurate" compared exactly, without the standard error."""
+    return {r["tau"]: min([f["k"] for f in run["fixed"] if f["acc"] >= r["acc"] and f["flops_vs_max"] <= r["flops_vs_max"]],
+                          default=None) for r in run["adaptive"] if r["tau"] > 0}
+
+
+def beaten_check(runs: list[dict], n: int):
+    """A check for `beaten`: raises AssertionError, naming the seed, where a version's verdicts differ from the
+    reference's on any of `runs`."""
+    def check(f):
+        for run in runs:
+            got, want = f(run, n), beaten(run, n)
+            assert got == want, f"seed {run['seed']}: got {got}, expected {want}"
+    return check

@@ -49,20 +49,24 @@ def check_draw(f):
 
 
 def fig_sampler(samples: list[int], mean: float = 3.0, cap: int = 8, who: str = "my_draw") -> Figure:
-    """P(K) of three samplers with E[K] = 3 (fixed, uniform 1..5, Huginn's), and the draws of `who` (the reader's, or
-    the reference's until the reader's line exists) as a histogram."""
-    fig, ax = plt.subplots(figsize=(7.5, 3.3))
-    ks = range(1, cap + 1)
-    samplers = {"fixed K = 3": DepthSampler("fixed", 3), "uniform over 1..5": DepthSampler("uniform", lo=1, hi=5),
-                f"log-normal Poisson, mean {mean:g}, cap {cap}": DepthSampler("lognormal_poisson", mean=mean, cap=cap)}
-    for j, (name, s) in enumerate(samplers.items()):  # each sampler in its colour of every notebook 05 figure
+    """P(K) of four samplers with mean parameter 3 (fixed, uniform 1..5, ours, and Huginn's mu: the log-normal Poisson
+    whose rate, not K, has mean 3), and the draws of `who` (the reader's, or the reference's until the reader's line
+    exists) as a histogram on our sampler's bars."""
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    ks, w = range(1, cap + 1), 0.21
+    huginn = DepthSampler("lognormal_poisson", mean=mean + 1, cap=cap)  # Huginn's mu at `mean` is ours at mean + 1
+    samplers = {"fixed K = 3": (DepthSampler("fixed", 3), {}), "uniform over 1..5": (DepthSampler("uniform", lo=1, hi=5), {}),
+                f"ours: log-normal Poisson, mean {mean:g}, cap {cap}": (DepthSampler("lognormal_poisson", mean=mean, cap=cap), {}),
+                f"Huginn's mu, mean {mean:g} (E[K] {huginn.expected():.2f})": (huginn, dict(hatch="//", fill=False))}
+    for j, (name, (s, style)) in enumerate(samplers.items()):  # each sampler in its colour of every notebook 05 figure
         p = s.pmf()
-        ax.bar([k + (j - 1) * 0.27 for k in ks], [p.get(k, 0) for k in ks], width=0.27, label=name, alpha=0.85,
-               color=KIND_COLORS[s.kind])
-    ax.plot([k + 0.27 for k in ks], [samples.count(k) / len(samples) for k in ks], "k_", ms=9, mew=2,
-            label=f"{who}: {len(samples):,} draws (share per K), on the log-normal bars")
+        color = KIND_COLORS[s.kind]
+        ax.bar([k + (j - 1.5) * w for k in ks], [p.get(k, 0) for k in ks], width=w, label=name, alpha=0.85,
+               **({"color": color} if not style else dict(style, edgecolor=color)))
+    ax.plot([k + 0.5 * w for k in ks], [samples.count(k) / len(samples) for k in ks], "k_", ms=8, mew=2,
+            label=f"{who}: {len(samples):,} draws (share per K), on our bars")
     ax.set(xlabel="K drawn for one optimizer step", ylabel="probability", xticks=list(ks),
-           title="Three ways to draw K, each with mean parameter 3 (E[K] about 3)")
+           title="Four ways to draw K, each with mean parameter 3")
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     plt.close(fig)

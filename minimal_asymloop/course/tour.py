@@ -278,10 +278,12 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     n_left = 2 + bool(demo.get("same_init"))
     left, right = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=[n_left, 2 + len(chain)]))
     acc, steps = final_accuracy(demo, 3), demo_steps(demo)
-    cols = [(f"AsymLoop\nK = {k}\n(depth {1 + k})", acc[k], steps[k], K_COLORS[k]) for k in sorted(acc)]
-    if demo.get("same_init"):  # K = 1 from K = 3's initial weights, beside K = 1
+    own = "\n(own init)" if demo.get("same_init") else ""
+    cols = [(f"AsymLoop\nK = {k}{own if k == 1 else ''}\n(depth {1 + k})", acc[k], steps[k], K_COLORS[k]) for k in sorted(acc)]
+    if demo.get("same_init"):  # K = 1 from K = 3's initial weights first, beside K = 3: only K differs; own init last
         same = dict(runs=demo["same_init"])
-        cols.insert(1, ("K = 1,\nK = 3's init\n(depth 2)", final_accuracy(same, 3)[1], demo_steps(same)[1], SAME_INIT_COLOR))
+        cols = [("K = 1,\nK = 3's init\n(depth 2)", final_accuracy(same, 3)[1], demo_steps(same)[1], SAME_INIT_COLOR),
+                cols[1], cols[0]]
     for i, (_, a, st, color) in enumerate(cols):
         _dots(left, i, a, st, color)
     init = [r["curve"][0][1]["3"] for r in demo["runs"]]  # the untrained models (step 0)
@@ -292,7 +294,7 @@ def seeds_figure(demo: dict, chain: dict, rule: dict | None = None) -> NotebookF
     left.set_xticks(range(len(cols)), [c[0] for c in cols])  # 3 lines: no overlap
     left.set_title(f"at most {demo['setting']['steps']:,} steps (depth_demo)")
     left.set_ylabel("3-hop accuracy at the run's end\n(check programs)")
-    right.legend(loc="lower right", fontsize=8, framealpha=1)
+    left.legend(loc="lower left", fontsize=8, framealpha=1, title="both panels", title_fontsize=8)
     labels = {"dense_l2": ("Dense L = 2\n(depth 2)", "0.3"), "dense_l4": ("Dense L = 4\n(depth 4)", "0.3"),
               "asymloop_k1": ("AsymLoop K = 1\n(depth 2)", K_COLORS[1]), "asymloop_k3": ("AsymLoop K = 3\n(depth 4)", K_COLORS[3]),
               "full_loop_k2": ("Full Loop\nL = 2, K = 2\n(depth 4)", "C4")}
