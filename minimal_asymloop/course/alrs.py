@@ -39,8 +39,7 @@ def live_run(arm: str, res: dict, lr: float, steps: int, device: str = "cpu") ->
 def pipeline_figure() -> Figure:
     """ALRS in one picture: a matrix's spectrum -> its alpha -> a multiplier in [lo, hi] -> its learning rate; the
     embedding and head skip the fit and get the top multiplier."""
-    fig = Figure(figsize=(11, 3.0))
-    ax = fig.subplots()
+    ax = (fig := Figure(figsize=(11, 3.0))).subplots()
     ax.set(xlim=(0, 11), ylim=(0, 3), title="ALRS: each weight matrix's learning rate from its spectrum")
     ax.axis("off")
     steps = ["encoder/decoder\nweight matrix W", "eigenvalues of WᵀW\n(its spectrum)", "power-law tail fit:\nalpha",
@@ -368,7 +367,7 @@ def plot_live(live: dict[str, list[dict]], stored: dict[str, dict | None], lr: f
 
 def replay(live: dict[str, list[dict]], res: dict, arms, lr: float, device: str) -> tuple[dict, Figure]:
     """Each live run beside the study's run of the same arm, base LR and seed 0, at the study's logged steps. Prints, per
-    arm, the largest |live − study| training loss to steps 10, 20 and the end, and its highest loss after step 5.
+    arm, the largest |live − study| training loss to steps 10, 20 and the end, the gap at the end, and its highest loss after step 5.
     Returns ({arm: the largest gap to step 10, None where nothing is checked}, the figure). Checked only where the study
     has that run and the live one ran on its data, on "cpu" (the study's device and thread count)."""
     from minimal_asymloop.sources import source_identity
@@ -387,13 +386,14 @@ def replay(live: dict[str, list[dict]], res: dict, arms, lr: float, device: str)
         early[arm] = to10 if check else None
         verdict = "checked" if check else "NOT checked: needs the study's data and DEVICE 'cpu'"
         (s_hi, v_hi) = spike(live[arm])  # the study logs every 5 steps: a one-step spike can fall between
-        print(f"{arm}: largest |live - study| to step 10: {to10:.1g} ({verdict}); to step 20: {to20:.1g}; to step "
-              f"{max(gaps)}: {max(gaps.values()):.1g}; highest training loss after step 5, live: {v_hi:.1f} at step {s_hi}")
+        print(f"{arm}: largest |live - study| to step 10: {to10:.1g} ({verdict}); to step 20: {to20:.1g}; to step {max(gaps)}: "
+              f"{max(gaps.values()):.1g} (at step {max(gaps)} itself: {gaps[max(gaps)]:.1g}); highest training loss after step 5, "
+              f"live: {v_hi:.1f} at step {s_hi}")
     return early, plot_live({arm: live[arm] for arm in arms}, stored, lr)
 
 
 def sweep_table(res: dict) -> str:
-    """Every run of the study: arm, base LR, and the final val loss of each seed."""
+    """Every run of the study: arm, base LR, the final val loss of each seed."""
     seeds = res["setting"]["seeds"]
     lines = [f"{'arm':>14} {'base LR':>8}  " + "  ".join(f"seed {s}" for s in seeds) + "    mean"]
     for arm, lr in sorted({(r["arm"], r["lr"]) for r in res["runs"]}):

@@ -366,7 +366,7 @@ def train_live(runs: LMRuns, steps: int = 60, seed: int = 0, names=tuple(LIVE_AR
 
 def replay_check(runs: LMRuns, live: dict, seed: int, steps: int) -> None:
     """Each live run against its seed's stored run: the largest training-loss gap at steps 1-5 (asserted under 1e-4
-    where the corpus is the stored runs') and at steps 1-`steps` (printed: runs on CPUs that round differently part)."""
+    where the corpus is the stored runs') and at steps 1-`steps` (printed: the runs part slowly; why is not traced)."""
     same = source_identity("stdlib", None) == runs.setting["data_identity"]  # the corpus depends on the Python version
     print("the stored runs' corpus:", same, "(if not, the gaps below are not checked)")
     for n in LIVE_ARMS:
